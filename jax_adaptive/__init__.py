@@ -1,0 +1,36 @@
+"""jax_adaptive: the batch size you ask for, on whatever accelerator you get.
+
+Example:
+    >>> import jax_adaptive as ja
+    >>> ja.search_max_size(lambda size: size <= 40, hi=100).size
+    40
+"""
+
+from jax_adaptive.data import MicroBatch, leading_size, micro_batches, synthetic_images
+from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
+from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
+from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
+from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
+from jax_adaptive.trainer import AdaptiveTrainer, SizeTrial
+
+__all__ = [
+    "AdaptiveTrainer",
+    "MicroBatch",
+    "NothingFitsError",
+    "SearchResult",
+    "SearchTrial",
+    "SimulatedOutOfMemory",
+    "SizeTrial",
+    "TrainState",
+    "device_capacity",
+    "estimate_peak_bytes",
+    "is_oom",
+    "leading_size",
+    "make_micro_step",
+    "make_optimizer_step",
+    "memory_report",
+    "micro_batches",
+    "multi_steps",
+    "search_max_size",
+    "synthetic_images",
+]

@@ -1,0 +1,125 @@
+"""Data: cutting target batches into micro-batches, and synthetic sources.
+
+Host (NumPy) batches are cut with views and moved to the device a micro-batch at a time,
+so a target batch never has to fit on the device at once. Device (jax) batches are cut
+on the device with one compiled gather per micro-batch size.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["MicroBatch", "leading_size", "micro_batches", "synthetic_images"]
+
+
+class MicroBatch(NamedTuple):
+    """A micro-batch of exactly ``m`` rows, of which ``mask`` marks the real ones."""
+
+    batch: Any
+    mask: np.ndarray
+    offset: int
+
+
+def leading_size(batch: Any, name: str = "batch") -> int:
+    """Returns the leading size all leaves of ``batch`` share.
+
+    Raises:
+        ValueError: if the batch has no leaves, a leaf is a scalar, or leaves disagree.
+
+    Example:
+        >>> leading_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
+        8
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
+    if not leaves:
+        raise ValueError(f"{name} has no arrays in it.")
+    sizes = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} is a scalar; every leaf needs a "
+                "leading batch axis."
+            )
+        sizes[jax.tree_util.keystr(path)] = shape[0]
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"the leaves of {name} disagree in leading size: {sizes}.")
+    return next(iter(sizes.values()))
+
+
+@jax.jit
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take(x, idx, axis=0)
+
+
+def _rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
+    if isinstance(leaf, jax.Array):
+        rows = idx if idx is not None else np.arange(start, start + m)
+        return _take(leaf, rows.astype(np.int32))
+    leaf = np.asarray(leaf)
+    return leaf[start : start + m] if idx is None else leaf[idx]
+
+
+def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]:
+    """Cuts a batch into micro-batches of ``size`` rows, padding and masking the last.
+
+    The padding repeats real rows of the last micro-batch (never zeros, which could make
+    a loss infinite: a masked infinity still poisons the gradient with NaN).
+
+    Args:
+        batch: a pytree of arrays (NumPy or jax) sharing a leading size ``T``.
+        size: rows per micro-batch.
+        start: the first row to cut from (rows before it are skipped).
+
+    Yields:
+        `MicroBatch` tuples, ``ceil((T - start) / size)`` of them.
+
+    Example:
+        >>> [(mb.batch.tolist(), mb.mask.tolist()) for mb in micro_batches(np.arange(5), 2)]
+        [([0, 1], [True, True]), ([2, 3], [True, True]), ([4, 4], [True, False])]
+    """
+    total = leading_size(batch)
+    for offset in range(start, total, size):
+        real = min(size, total - offset)
+        idx = None
+        if real < size:
+            idx = offset + np.arange(size) % real
+        mask = np.arange(size) < real
+        rows = functools.partial(_rows, start=offset, idx=idx, m=size)
+        yield MicroBatch(jax.tree.map(rows, batch), mask, offset)
+
+
+def synthetic_images(
+    num_examples: int,
+    *,
+    image_shape: tuple[int, int, int] = (16, 16, 3),
+    num_classes: int = 10,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Images with a learnable signal: each class adds its own fixed pattern to noise.
+
+    Args:
+        num_examples: how many examples.
+        image_shape: height, width, channels.
+        num_classes: how many labels.
+        seed: the seed of the patterns and the noise.
+
+    Returns:
+        ``{"image": float32[N, H, W, C], "label": int32[N]}``.
+
+    Example:
+        >>> data = synthetic_images(4, image_shape=(8, 8, 1))
+        >>> data["image"].shape, data["label"].dtype
+        ((4, 8, 8, 1), dtype('int32'))
+    """
+    rng = np.random.default_rng(seed)
+    patterns = rng.normal(size=(num_classes, *image_shape)).astype(np.float32)
+    labels = rng.integers(0, num_classes, size=num_examples).astype(np.int32)
+    noise = rng.normal(size=(num_examples, *image_shape)).astype(np.float32)
+    return {"image": noise + patterns[labels], "label": labels}

@@ -1,0 +1,147 @@
+"""A pure search for the largest size a monotone oracle accepts.
+
+``fits(size) -> bool`` is assumed monotone: if a size fits, every smaller size fits.
+The search knows nothing of memory or XLA; the trainer gives it an oracle that compiles
+the micro-step and asks XLA (or the device) whether it fits, and may give it a
+``propose`` function (a memory model) that guesses where the answer lies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = ["NothingFitsError", "SearchResult", "SearchTrial", "search_max_size"]
+
+
+class SearchTrial(NamedTuple):
+    """One call of the oracle: the size asked, its answer and what it cost."""
+
+    size: int
+    fits: bool
+    seconds: float
+
+
+class SearchResult(NamedTuple):
+    """The largest fitting size and the trials that found it, in the order made."""
+
+    size: int
+    trials: list[SearchTrial]
+
+    @property
+    def calls(self) -> int:
+        """The number of oracle calls made."""
+        return len(self.trials)
+
+
+class NothingFitsError(RuntimeError):
+    """Raised when even the smallest candidate size does not fit."""
+
+    def __init__(self, smallest: int, trials: list[SearchTrial], detail: str = ""):
+        self.smallest = smallest
+        self.trials = trials
+        super().__init__(
+            f"no size fits: even the smallest candidate, {smallest}, does not fit"
+            f"{': ' + detail if detail else ''} (sizes tried: {[t.size for t in trials]})."
+        )
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}.")
+    return value
+
+
+def search_max_size(
+    fits: Callable[[int], bool],
+    *,
+    lo: int = 1,
+    hi: int,
+    multiple_of: int = 1,
+    propose: Callable[[int | None, int | None], int | None] | None = None,
+) -> SearchResult:
+    """Finds the exact largest size in ``[lo, hi]``, a multiple of ``multiple_of``, that fits.
+
+    The largest candidate is tried first (on a large device it often fits, and one call
+    settles it); then the bracket between the largest size known to fit and the smallest
+    known not to is narrowed. Without ``propose`` this is bisection: at most
+    ``ceil(log2(n)) + 1`` calls for ``n`` candidates. With ``propose(good, bad)``, a
+    guess strictly inside the bracket, a good guesser finishes in two or three calls;
+    a guess that does not halve the bracket is followed by a bisection step, so a bad
+    guesser costs at most ``2 * ceil(log2(n)) + 2`` calls.
+
+    Args:
+        fits: the oracle, monotone in the size.
+        lo: the smallest size allowed.
+        hi: the largest size allowed.
+        multiple_of: every candidate is a multiple of this.
+        propose: optional; given the largest size known to fit (or None) and the
+            smallest known not to fit (or None), returns the next size to try or None.
+            Proposals outside the bracket, or not on the grid of multiples, are rounded
+            down onto it or ignored.
+
+    Returns:
+        A `SearchResult` with the size and the list of trials.
+
+    Raises:
+        NothingFitsError: when the smallest candidate does not fit.
+        ValueError: when ``[lo, hi]`` holds no multiple of ``multiple_of``.
+
+    Example:
+        >>> result = search_max_size(lambda s: s * 3 <= 100, lo=1, hi=64)
+        >>> result.size, result.calls
+        (33, 7)
+        >>> search_max_size(lambda s: s <= 37, hi=64, multiple_of=8).size
+        32
+    """
+    _check_int("lo", lo, 1)
+    _check_int("hi", hi, 1)
+    _check_int("multiple_of", multiple_of, 1)
+    first = -(-lo // multiple_of)  # candidates are k * multiple_of for k in [first, last]
+    last = hi // multiple_of
+    if first > last:
+        raise ValueError(f"no multiple of {multiple_of=} lies in [{lo=}, {hi=}].")
+
+    trials: list[SearchTrial] = []
+
+    def ask(k: int) -> bool:
+        size = k * multiple_of
+        start = time.perf_counter()
+        ok = bool(fits(size))
+        trials.append(SearchTrial(size, ok, time.perf_counter() - start))
+        return ok
+
+    def proposal(good: int, bad: int) -> int | None:
+        if propose is None:
+            return None
+        guess = propose(
+            good * multiple_of if good >= first else None,
+            bad * multiple_of if bad <= last else None,
+        )
+        if guess is None:
+            return None
+        k = int(guess) // multiple_of
+        return k if good < k < bad else None
+
+    # Invariant: every k <= good fits (good = first - 1: none known), every k >= bad does
+    # not (bad = last + 1: none known).
+    good, bad = first - 1, last + 1
+    guided = True
+    while bad - good > 1:
+        k = proposal(good, bad) if guided else None
+        width = bad - good
+        if k is None:
+            # With no guess, try the largest candidate first, then bisect.
+            k = last if bad == last + 1 and good == first - 1 else (good + bad) // 2
+        if ask(k):
+            good = k
+        else:
+            bad = k
+        # A guess that did not halve the bracket hands the next step to bisection.
+        guided = (bad - good) * 2 <= width or not guided
+    if good < first:
+        raise NothingFitsError(first * multiple_of, trials)
+    return SearchResult(good * multiple_of, trials)

@@ -1,0 +1,204 @@
+"""The jitted pieces of one update: the micro-step and the optimizer step.
+
+An update of ``T`` examples is ``n = ceil(T / m)`` micro-steps and one optimizer step,
+all through ``optax.MultiSteps`` with ``use_grad_mean=False`` and ``k = n + 1``:
+
+* the **micro-step** (one compile per micro-batch size ``m``) computes the gradient of
+  ``sum(mask * losses) / T`` on one micro-batch and adds it to the accumulator with
+  ``MultiSteps.update``. It donates only the accumulator and the running totals; the
+  parameters, the inner optimizer state and the model state are read, never donated,
+  so a micro-step that fails (an out-of-memory) leaves them alive (DESIGN.md: a failed
+  donating call deletes its donated inputs). It returns only what changes in a
+  micro-step, so XLA drops the inner optimizer's work there.
+* the **optimizer step** (one compile in all: it does not depend on ``m``) is the
+  ``n + 1``-th mini-step of ``MultiSteps``, with a zero gradient: it emits, applies the
+  inner optimizer to the accumulated sum and resets the accumulator. Its memory is the
+  state twice, whatever ``m``; it runs after the micro-batch's activations are freed.
+
+The sum of per-example gradients divided by ``T`` is the full-batch mean gradient
+whatever the micro-batch sizes (padding is masked), so the update is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "Batch",
+    "Params",
+    "PerExampleLoss",
+    "TrainState",
+    "make_micro_step",
+    "make_optimizer_step",
+    "multi_steps",
+]
+
+Params: TypeAlias = Any
+Batch: TypeAlias = Any
+ModelState: TypeAlias = Any
+PerExampleLoss: TypeAlias = Callable[..., Any]
+"""``(params, batch, rng) -> losses[m]``; with ``has_aux``, ``(losses, aux)``; with
+``has_state``, ``(params, model_state, batch, rng) -> (that, new_model_state)``."""
+
+
+class TrainState(NamedTuple):
+    """Everything training carries from one update to the next.
+
+    Attributes:
+        params: the model parameters.
+        opt_state: the ``optax.MultiStepsState`` around the user's optimizer.
+        model_state: mutable model collections (Flax ``batch_stats``), or ``()``.
+        rng: the base key; each micro-batch folds in the update and its first example.
+    """
+
+    params: Params
+    opt_state: optax.MultiStepsState
+    model_state: ModelState
+    rng: jax.Array
+
+    @property
+    def updates(self) -> jax.Array:
+        """Optimizer updates applied so far (not micro-steps)."""
+        return self.opt_state.gradient_step
+
+
+def multi_steps(optimizer: optax.GradientTransformation, k: Any) -> optax.MultiSteps:
+    """Wraps ``optimizer`` to sum gradients over ``k - 1`` mini-steps and emit on the k-th.
+
+    ``k`` may be traced: one compiled program then serves every accumulation count.
+
+    Example:
+        >>> import optax
+        >>> multi_steps(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)}).mini_step
+        Array(0, dtype=int32)
+    """
+    return optax.MultiSteps(optimizer, every_k_schedule=lambda _: k, use_grad_mean=False)
+
+
+def _call_loss(loss_fn, has_aux: bool, has_state: bool, params, model_state, batch, rng):
+    """Calls the user's loss in any of its forms; returns (losses, aux, new_model_state)."""
+    out = loss_fn(params, model_state, batch, rng) if has_state else loss_fn(params, batch, rng)
+    new_model_state = model_state
+    if has_state:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "with has_state=True, loss_fn must return (output, new_model_state); "
+                f"it returned {type(out).__name__}."
+            )
+        out, new_model_state = out
+    aux = {}
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "with has_aux=True, loss_fn must return (losses, aux) with aux a dict of "
+                f"per-example arrays; it returned {type(out).__name__}."
+            )
+        out, aux = out
+    return out, aux, new_model_state
+
+
+def _check_per_example(name: str, value: Any, m: int) -> None:
+    shape = getattr(value, "shape", None)
+    if shape != (m,):
+        raise ValueError(
+            f"{name} must be per-example, of shape ({m},) for a micro-batch of {m}; "
+            f"got shape {shape}. Return one loss per example, not their mean."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
+
+
+def make_micro_step(
+    loss_fn: PerExampleLoss,
+    optimizer: optax.GradientTransformation,
+    target_batch_size: int,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    on_trace: Callable[[int], None] | None = None,
+) -> Callable[..., Any]:
+    """Builds the micro-step, to be jitted with ``donate_argnums=(2, 4)``.
+
+    Its arguments are ``(params, opt_state, acc_grads, model_state, totals, batch, mask,
+    rng, offset, k)``, where ``opt_state`` is the ``MultiStepsState`` with
+    ``acc_grads=None`` (the accumulator travels apart, so that it alone is donated),
+    ``totals`` the running masked sums of the loss and the aux metrics, ``offset`` the
+    index of the micro-batch's first example in the target batch and ``k`` the
+    ``MultiSteps`` period. It returns ``(acc_grads, mini_step, model_state, totals)``.
+
+    Example:
+        >>> import optax
+        >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
+        >>> step = jax.jit(make_micro_step(loss, optax.sgd(0.1), 4), donate_argnums=(2, 4))
+        >>> params = {"w": jnp.ones(())}
+        >>> opt = multi_steps(optax.sgd(0.1), 3).init(params)
+        >>> batch = {"x": jnp.ones(2), "y": jnp.zeros(2)}
+        >>> acc, mini, _, totals = step(params, opt._replace(acc_grads=None), opt.acc_grads,
+        ...     (), {"loss": jnp.zeros(())}, batch, jnp.ones(2, bool), jax.random.key(0), 0, 3)
+        >>> float(acc["w"]), int(mini), float(totals["loss"])  # d/dw sum((w-0)^2)/4 over 2
+        (1.0, 1, 2.0)
+    """
+
+    def micro_step(params, opt_state, acc_grads, model_state, totals, batch, mask, rng, offset, k):
+        m = mask.shape[0]
+        if on_trace is not None:
+            on_trace(m)
+        with jax.named_scope(f"micro_batch_{m}"):
+            key = jax.random.fold_in(jax.random.fold_in(rng, opt_state.gradient_step), offset)
+
+            def objective(p):
+                losses, aux, new_state = _call_loss(
+                    loss_fn, has_aux, has_state, p, model_state, batch, key
+                )
+                _check_per_example("loss_fn's losses", losses, m)
+                for name, value in aux.items():
+                    _check_per_example(f"aux[{name!r}]", value, m)
+                sums = {
+                    name: jnp.sum(jnp.where(mask, v, 0).astype(jnp.float32))
+                    for name, v in {"loss": losses, **aux}.items()
+                }
+                return jnp.sum(jnp.where(mask, losses, 0)) / target_batch_size, (sums, new_state)
+
+            grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
+            _, new_opt = multi_steps(optimizer, k).update(
+                grads, opt_state._replace(acc_grads=acc_grads), params
+            )
+            new_totals = {name: totals[name] + sums[name] for name in totals}
+        return new_opt.acc_grads, new_opt.mini_step, new_model_state, new_totals
+
+    return micro_step
+
+
+def make_optimizer_step(
+    optimizer: optax.GradientTransformation, target_batch_size: int
+) -> Callable[..., Any]:
+    """Builds the optimizer step: the emitting mini-step of ``MultiSteps``.
+
+    Its arguments are ``(params, opt_state, totals, k)`` with ``opt_state.mini_step ==
+    k - 1``; it returns ``(params, opt_state, means)`` where ``means`` divides the totals
+    by the target batch size. Jit it without donation: a failure then leaves the state
+    alive, and its peak (the state twice) does not depend on the micro-batch size.
+
+    Example:
+        >>> import optax
+        >>> params = {"w": jnp.ones(())}
+        >>> opt = multi_steps(optax.sgd(0.5), 2).init(params)
+        >>> opt = opt._replace(mini_step=jnp.int32(1), acc_grads={"w": jnp.float32(2.0)})
+        >>> new_params, new_opt, means = make_optimizer_step(optax.sgd(0.5), 4)(
+        ...     params, opt, {"loss": jnp.float32(8.0)}, 2)
+        >>> float(new_params["w"]), int(new_opt.gradient_step), float(means["loss"])
+        (0.0, 1, 2.0)
+    """
+
+    def optimizer_step(params, opt_state, totals, k):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        updates, new_opt = multi_steps(optimizer, k).update(zeros, opt_state, params)
+        means = {name: total / target_batch_size for name, total in totals.items()}
+        return optax.apply_updates(params, updates), new_opt, means
+
+    return optimizer_step

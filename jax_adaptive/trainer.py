@@ -1,0 +1,688 @@
+"""AdaptiveTrainer: the micro-batch search, the executable cache, the step loop, recovery.
+
+The host loop kept apart from the jitted pieces of `jax_adaptive.step`:
+
+* ``init`` puts the state on the device, compiles the optimizer step and, with
+  ``micro_batch_size="auto"``, searches the largest micro-batch that fits by compiling
+  the micro-step ahead of time for candidate sizes (``lower(ShapeDtypeStruct...)``) and
+  comparing XLA's estimate of its peak with the capacity.
+* ``step`` runs one update of ``target_batch_size`` examples. An out-of-memory in any
+  micro-step (real, or simulated by ``memory_limit``) leaves the parameters, the
+  optimizer state and the model state alive (the micro-step donates only the
+  accumulator), so the trainer shrinks the micro-batch and redoes the update from its
+  start: nothing is lost, no example is counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_adaptive.data import leading_size, micro_batches
+from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
+from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
+from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.step import (
+    Batch,
+    Params,
+    PerExampleLoss,
+    TrainState,
+    make_micro_step,
+    make_optimizer_step,
+    multi_steps,
+)
+
+__all__ = ["AdaptiveTrainer", "OptimizerStepOutOfMemory", "SizeTrial", "StateLostError"]
+
+log = logging.getLogger("jax_adaptive")
+
+DecidedBy = Literal["estimate", "cache", "compile", "run", "learned"]
+GrowPolicy = Literal["never", "on_limit_change"] | int
+
+
+class SizeTrial(NamedTuple):
+    """One decision of whether a micro-batch size fits.
+
+    Attributes:
+        size: the micro-batch size.
+        fits: the answer.
+        estimated_bytes: XLA's estimate of the micro-step's peak (None if it did not
+            compile).
+        seconds: what deciding cost (compile, run).
+        decided_by: ``"estimate"`` (a fresh compile's estimate against the capacity),
+            ``"cache"`` (the estimate of an executable compiled before), ``"compile"``
+            (compiling ran out of memory), ``"run"`` (a real run: it ran, or it ran out
+            of memory), ``"learned"`` (not larger than a size that ran out of memory).
+        reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
+    """
+
+    size: int
+    fits: bool
+    estimated_bytes: int | None
+    seconds: float
+    decided_by: DecidedBy
+    reason: str
+
+
+class OptimizerStepOutOfMemory(RuntimeError):
+    """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
+
+    The optimizer step needs the same memory whatever the micro-batch size, so shrinking
+    cannot help: free device memory, then call ``step(error.state, batch)`` again.
+    """
+
+    def __init__(self, state: TrainState):
+        self.state = state
+        super().__init__(
+            "the optimizer step ran out of memory (its need does not depend on the "
+            "micro-batch size); the state at the start of the update is in error.state."
+        )
+
+
+class StateLostError(RuntimeError):
+    """A donating call failed after its first run and XLA deleted the train state."""
+
+
+class _Executable(NamedTuple):
+    compiled: Any
+    estimate: int
+    report: dict[str, int]
+    seconds: float
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive.")
+    return int(value)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _is_deleted(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+
+
+class AdaptiveTrainer:
+    """Trains with a fixed target batch size through the largest micro-batch that fits.
+
+    Args:
+        loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example
+            (with ``has_aux``: ``(losses, aux)``, aux a dict of per-example metrics; with
+            ``has_state``: ``(params, model_state, batch, rng) -> (that, new_model_state)``).
+        optimizer: any ``optax.GradientTransformation``; it is applied once per target
+            batch to the exact mean gradient of its examples.
+        target_batch_size: examples per optimizer update, any positive int.
+        micro_batch_size: ``"auto"`` (search the largest that fits) or a fixed int.
+            A fixed size is used as given: an out-of-memory with it propagates.
+        memory_limit: bytes; a cap on the estimated peak of a micro-step. On a CPU it
+            simulates a device of that size: a size whose estimate exceeds it fails
+            exactly as a real out-of-memory would, through the same code path.
+        has_aux: ``loss_fn`` also returns a dict of per-example metrics, reported as
+            means over the target batch.
+        has_state: ``loss_fn`` takes and returns mutable model state (Flax
+            ``batch_stats``); it is threaded through the micro-steps in order.
+        headroom: the share of a device's real capacity (``memory_stats()``) left unused;
+            never applied to ``memory_limit``.
+        grow: when to try a larger micro-batch again, at an update boundary:
+            ``"never"``, ``"on_limit_change"`` (after `set_memory_limit` raises the
+            limit) or an int ``N`` (every ``N`` updates, with real trial runs).
+        device: the device to train on (the first local device by default).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax
+        >>> import jax_adaptive as ja
+        >>> def loss_fn(params, batch, rng):
+        ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
+        >>> trainer = ja.AdaptiveTrainer(loss_fn, optax.sgd(0.1), target_batch_size=10,
+        ...                              micro_batch_size=4)
+        >>> batch = {"x": np.ones((10, 3), np.float32), "y": np.ones(10, np.float32)}
+        >>> state = trainer.init({"w": jnp.zeros(3)}, batch)
+        >>> state, metrics = trainer.step(state, batch)
+        >>> trainer.accumulation_steps, float(metrics["loss"]), int(state.updates)
+        (3, 1.0, 1)
+    """
+
+    def __init__(
+        self,
+        loss_fn: PerExampleLoss,
+        optimizer: optax.GradientTransformation,
+        *,
+        target_batch_size: int,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        memory_limit: int | None = None,
+        has_aux: bool = False,
+        has_state: bool = False,
+        headroom: float = 0.05,
+        grow: GrowPolicy = "on_limit_change",
+        device: jax.Device | None = None,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(
+                "optimizer must be an optax.GradientTransformation (with init and update), "
+                f"got {type(optimizer).__name__}."
+            )
+        self.target_batch_size = _positive_int("target_batch_size", target_batch_size)
+        if micro_batch_size != "auto":
+            micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
+            if micro_batch_size > self.target_batch_size:
+                raise ValueError(
+                    f"{micro_batch_size=} must not exceed target_batch_size="
+                    f"{self.target_batch_size}."
+                )
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"{headroom=} must be in [0, 1).")
+        if not (grow in ("never", "on_limit_change") or (isinstance(grow, int) and grow > 0)):
+            raise ValueError(f"{grow=} must be 'never', 'on_limit_change' or a positive int.")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = has_aux
+        self.has_state = has_state
+        self.headroom = headroom
+        self.grow = grow
+        self.device = device or jax.local_devices()[0]
+        self._fixed = None if micro_batch_size == "auto" else micro_batch_size
+        self.memory_limit = None if memory_limit is None else self._check_limit(memory_limit)
+        self.trace_counts: Counter[int] = Counter()
+        self.search_log: list[SizeTrial] = []
+        self._micro_jit = jax.jit(
+            make_micro_step(
+                loss_fn,
+                optimizer,
+                self.target_batch_size,
+                has_aux=has_aux,
+                has_state=has_state,
+                on_trace=lambda size: self.trace_counts.update([size]),
+            ),
+            donate_argnums=(2, 4),
+        )
+        self._executables: dict[int, _Executable] = {}
+        self._lowerings: dict[int, Any] = {}
+        self._optimizer_steps: dict[bool, _Executable] = {}
+        self._optimizer_step_ran: set[bool] = set()
+        self._size: int | None = None
+        self._ran: set[int] = set()
+        self._real_oom_bytes: int | None = None  # smallest estimate that really failed
+        self._limit_raised = False
+        self._updates_since_grow = 0
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The micro-batch size in use."""
+        self._require_init()
+        return self._size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per optimizer update: ``ceil(target_batch_size / micro_batch_size)``."""
+        return math.ceil(self.target_batch_size / self.micro_batch_size)
+
+    @property
+    def compiles(self) -> int:
+        """How many micro-batch sizes have been compiled."""
+        return len(self._executables)
+
+    def init(
+        self,
+        params: Params,
+        example_batch: Batch,
+        *,
+        rng: jax.Array | None = None,
+        model_state: Any = (),
+    ) -> TrainState:
+        """Builds the train state and plans the micro-batch size.
+
+        Args:
+            params: the initial parameters.
+            example_batch: a batch (any leading size) whose leaves give the shape and
+                dtype of one example.
+            rng: the base key (``jax.random.key(0)`` by default).
+            model_state: mutable model collections, for ``has_state=True``.
+
+        Returns:
+            The `TrainState`, on the device.
+
+        Raises:
+            NothingFitsError: when even a micro-batch of 1 does not fit.
+        """
+        leading_size(example_batch, "example_batch")
+        self._example = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                np.shape(x)[1:], np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype
+            ),
+            example_batch,
+        )
+        rng = jax.random.key(0) if rng is None else rng
+        opt_state = multi_steps(self.optimizer, 1).init(params)
+        state = jax.device_put(TrainState(params, opt_state, model_state, rng), self.device)
+        self._state_structs = jax.tree.map(_struct, state)
+        self._totals_struct = self._totals_for(state)
+        self._optimizer_step()  # compiles it, and checks that the state itself fits
+        self._size = self._fixed or self._search(hi=self.target_batch_size, reason="init")
+        if self._fixed:
+            self.compile(self._fixed)
+        return state
+
+    def compile(self, size: int) -> Any:
+        """Returns the compiled micro-step for micro-batches of ``size``, compiling once.
+
+        Args:
+            size: the micro-batch size, in ``[1, target_batch_size]``.
+
+        Returns:
+            The ``jax.stages.Compiled`` micro-step.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
+            ...                              target_batch_size=8, micro_batch_size=8)
+            >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
+            >>> ja.estimate_peak_bytes(trainer.compile(3)) > 0
+            True
+        """
+        return self._executable(size).compiled
+
+    def set_memory_limit(self, memory_limit: int | None) -> None:
+        """Changes the cap on a micro-step's estimated peak; it takes effect at the next step.
+
+        A lower limit makes the next step fail as an out-of-memory would, which shrinks
+        the micro-batch; a higher one lets the trainer grow it (policy ``grow``).
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
+            ...                              target_batch_size=8)
+            >>> trainer.set_memory_limit(2**30)
+            >>> trainer.memory_limit
+            1073741824
+        """
+        new = None if memory_limit is None else self._check_limit(memory_limit)
+        old = self.memory_limit
+        self._limit_raised = new is None if old is not None else False
+        if new is not None and old is not None:
+            self._limit_raised = new > old
+        self.memory_limit = new
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        """Runs one optimizer update on a batch of exactly ``target_batch_size`` examples.
+
+        The state's accumulator buffers are donated: use the returned state.
+
+        Args:
+            state: the current `TrainState`.
+            batch: a pytree of arrays (NumPy or jax) with leading size
+                ``target_batch_size``.
+
+        Returns:
+            ``(state, metrics)``; metrics hold ``loss`` (mean over the batch, a device
+            scalar), each aux metric's mean, ``micro_batch_size``,
+            ``accumulation_steps`` and ``examples``.
+        """
+        self._require_init()
+        self._check_batch(batch)
+        self._maybe_grow(state, batch)
+        while True:
+            size = self._size
+            try:
+                return self._update(state, batch, size)
+            except Exception as exc:
+                if self._fixed is not None or not is_oom(exc):
+                    raise
+                self._recover(exc, size, state, batch)
+
+    # ----------------------------------------------------------------- internals
+
+    def _require_init(self) -> None:
+        if self._size is None:
+            raise RuntimeError("call trainer.init(params, example_batch) first.")
+
+    @staticmethod
+    def _check_limit(memory_limit: Any) -> int:
+        return _positive_int("memory_limit", memory_limit)
+
+    def _check_batch(self, batch: Batch) -> None:
+        size = leading_size(batch)
+        if size != self.target_batch_size:
+            raise ValueError(
+                f"the batch has leading size {size}, but each step takes exactly "
+                f"target_batch_size={self.target_batch_size} examples."
+            )
+        got = jax.tree.structure(batch)
+        want = jax.tree.structure(self._example)
+        if got != want:
+            raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
+        for x, spec in zip(jax.tree.leaves(batch), jax.tree.leaves(self._example), strict=True):
+            if np.shape(x)[1:] != spec.shape:
+                raise ValueError(
+                    f"a batch leaf has per-example shape {np.shape(x)[1:]}, but example_batch "
+                    f"had {spec.shape}."
+                )
+
+    def _totals_for(self, state: TrainState) -> dict[str, jax.ShapeDtypeStruct]:
+        # The aux metrics' names are known only from the loss's output: trace it once.
+        m = 1
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((m, *s.shape), s.dtype), self._example)
+
+        def losses(params, model_state, b, rng):
+            from jax_adaptive.step import _call_loss, _check_per_example
+
+            out, aux, _ = _call_loss(
+                self.loss_fn, self.has_aux, self.has_state, params, model_state, b, rng
+            )
+            _check_per_example("loss_fn's losses", out, m)
+            return aux
+
+        aux = jax.eval_shape(losses, state.params, state.model_state, batch, state.rng)
+        if not isinstance(aux, dict):
+            raise TypeError(f"aux must be a dict of per-example metrics, got {type(aux).__name__}.")
+        return {name: jax.ShapeDtypeStruct((), jnp.float32) for name in ("loss", *aux)}
+
+    def _micro_structs(self, size: int) -> tuple[Any, ...]:
+        s = self._state_structs
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype), self._example
+        )
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        return (
+            s.params,
+            s.opt_state._replace(acc_grads=None),
+            s.opt_state.acc_grads,
+            s.model_state,
+            self._totals_struct,
+            batch,
+            jax.ShapeDtypeStruct((size,), jnp.bool_),
+            s.rng,
+            i32,
+            i32,
+        )
+
+    def _executable(self, size: int) -> _Executable:
+        self._require_structs()
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise TypeError(f"size must be an int, got {size!r}.")
+        if not 1 <= size <= self.target_batch_size:
+            raise ValueError(f"{size=} must be in [1, target_batch_size={self.target_batch_size}].")
+        size = int(size)
+        if size not in self._executables:
+            start = time.perf_counter()
+            compiled = self._lowered(size).compile()
+            del self._lowerings[size]
+            seconds = time.perf_counter() - start
+            self._executables[size] = _Executable(
+                compiled, estimate_peak_bytes(compiled), memory_report(compiled), seconds
+            )
+        return self._executables[size]
+
+    def _lowered(self, size: int) -> Any:
+        """Traces the micro-step for ``size`` (the user's loss runs here, errors and all)."""
+        if size not in self._lowerings:
+            self._lowerings[size] = self._micro_jit.lower(*self._micro_structs(size))
+        return self._lowerings[size]
+
+    def _require_structs(self) -> None:
+        if not hasattr(self, "_state_structs"):
+            raise RuntimeError("call trainer.init(params, example_batch) first.")
+
+    def _optimizer_executable(self, donate: bool) -> _Executable:
+        if donate not in self._optimizer_steps:
+            s = self._state_structs
+            k = jax.ShapeDtypeStruct((), jnp.int32)
+            start = time.perf_counter()
+            compiled = (
+                jax.jit(
+                    make_optimizer_step(self.optimizer, self.target_batch_size),
+                    donate_argnums=(0, 1) if donate else (),
+                )
+                .lower(s.params, s.opt_state, self._totals_struct, k)
+                .compile()
+            )
+            self._optimizer_steps[donate] = _Executable(
+                compiled,
+                estimate_peak_bytes(compiled),
+                memory_report(compiled),
+                time.perf_counter() - start,
+            )
+        return self._optimizer_steps[donate]
+
+    def _optimizer_step(self) -> tuple[_Executable, bool]:
+        """The optimizer step to use, compiling it once.
+
+        Without donation (a failure loses nothing) when the state twice fits; donating
+        the state when only that fits.
+        """
+        capacity = self.capacity()
+        plain = self._optimizer_executable(donate=False)
+        if capacity is None or plain.estimate <= capacity:
+            return plain, False
+        donating = self._optimizer_executable(donate=True)
+        if donating.estimate > capacity:
+            raise NothingFitsError(
+                1,
+                [],
+                detail=f"the optimizer step alone needs {donating.estimate:,} bytes (estimate, "
+                f"the train state updated in place) and {capacity:,} bytes are available",
+            )
+        return donating, True
+
+    def capacity(self) -> int | None:
+        """The bytes a micro-step may use; None when unknown (a CPU without a limit).
+
+        The smaller of ``memory_limit`` and the device's capacity less ``headroom``.
+
+        Example:
+            >>> import optax, jax_adaptive as ja
+            >>> ja.AdaptiveTrainer(lambda p, b, r: b, optax.sgd(0.1), target_batch_size=8,
+            ...                    memory_limit=10**9).capacity()
+            1000000000
+        """
+        caps = []
+        if self.memory_limit is not None:
+            caps.append(self.memory_limit)
+        device_bytes = device_capacity(self.device)
+        if device_bytes is not None:
+            caps.append(int(device_bytes * (1.0 - self.headroom)))
+        return min(caps) if caps else None
+
+    def _check_capacity(self, size: int) -> None:
+        """Raises the simulated out-of-memory when the size's estimate exceeds the cap."""
+        capacity = self.capacity()
+        needed = self._executable(size).estimate
+        if capacity is not None and needed > capacity:
+            raise SimulatedOutOfMemory(needed, capacity, what=f"micro-step of {size}")
+
+    def _search(self, *, hi: int, reason: str, lo: int = 1, trial: Any = None) -> int:
+        """The largest size in [lo, hi] that fits; a real run decides each one if ``trial``."""
+
+        def fits(size: int) -> bool:
+            start = time.perf_counter()
+            cached = size in self._executables
+            estimate, decided = None, "compile"
+            if not cached:
+                self._lowered(size)  # outside the try: only XLA's errors can be OOMs
+            try:
+                estimate = self._executable(size).estimate
+                decided = "cache" if cached else "estimate"
+                if self._real_oom_bytes is not None and estimate >= self._real_oom_bytes:
+                    decided = "learned"
+                    raise SimulatedOutOfMemory(estimate, self._real_oom_bytes, "micro-step")
+                self._check_capacity(size)
+                if trial is not None:
+                    decided = "run"
+                    self._trial_run(size, *trial)
+                ok = True
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                ok = False
+            entry = SizeTrial(size, ok, estimate, time.perf_counter() - start, decided, reason)
+            self.search_log.append(entry)
+            log.info(
+                "micro-batch %d %s (%s, %s bytes)",
+                size,
+                "fits" if ok else "does not fit",
+                decided,
+                f"{estimate:,}" if estimate is not None else "?",
+            )
+            return ok
+
+        try:
+            return search_max_size(fits, lo=lo, hi=hi).size
+        except NothingFitsError as exc:
+            smallest = self._executables.get(exc.smallest)
+            needed = f"{smallest.estimate:,}" if smallest else "?"
+            capacity = self.capacity()
+            available = f"{capacity:,}" if capacity is not None else "what the device had"
+            raise NothingFitsError(
+                exc.smallest,
+                exc.trials,
+                detail=f"a micro-step of {exc.smallest} needs {needed} bytes (estimate) "
+                f"and {available} bytes are available",
+            ) from None
+
+    def _trial_run(self, size: int, state: TrainState, batch: Batch) -> None:
+        """Runs one micro-step of ``size`` on a fresh accumulator and throws it away."""
+        micro = next(micro_batches(batch, size))
+        out = self._executable(size).compiled(
+            state.params,
+            state.opt_state._replace(acc_grads=None),
+            self._zeros(self._state_structs.opt_state.acc_grads),
+            state.model_state,
+            self._zeros(self._totals_struct),
+            micro.batch,
+            micro.mask,
+            state.rng,
+            np.int32(0),
+            np.int32(2),
+        )
+        jax.block_until_ready(out)
+
+    def _zeros(self, structs: Any) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.device), structs)
+
+    def _update(self, state: TrainState, batch: Batch, size: int):
+        executable = self._executable(size)
+        self._check_capacity(size)
+        steps = math.ceil(self.target_batch_size / size)
+        k = np.int32(steps + 1)
+        acc = state.opt_state.acc_grads
+        if _is_deleted(acc):  # donated to a micro-step that failed
+            acc = self._zeros(self._state_structs.opt_state.acc_grads)
+        opt, model_state = state.opt_state._replace(acc_grads=None), state.model_state
+        totals = self._zeros(self._totals_struct)
+        first_run = size not in self._ran
+        for i, micro in enumerate(micro_batches(batch, size)):
+            acc, mini_step, model_state, totals = executable.compiled(
+                state.params, opt, acc, model_state, totals,
+                micro.batch, micro.mask, state.rng, np.int32(micro.offset), k,
+            )  # fmt: skip
+            opt = opt._replace(mini_step=mini_step)
+            if first_run and i == 0:
+                # A new size's first run must fail here, inside the try, if it fails.
+                jax.block_until_ready(acc)
+        optimizer_step, donating = self._optimizer_step()
+        inputs = (state.params, opt._replace(acc_grads=acc), totals, k)
+        # A donating call that fails deletes its inputs: keep a host copy for its first run.
+        snapshot = jax.device_get(inputs[:2]) if donating not in self._optimizer_step_ran else None
+        try:
+            params, opt_state, means = optimizer_step.compiled(*inputs)
+            jax.block_until_ready((params, opt_state, means))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            raise self._optimizer_step_failed(state, inputs, snapshot) from exc
+        self._optimizer_step_ran.add(donating)
+        self._ran.add(size)
+        self._updates_since_grow += 1
+        metrics = {
+            **means,
+            "micro_batch_size": size,
+            "accumulation_steps": steps,
+            "examples": self.target_batch_size,
+        }
+        return TrainState(params, opt_state, model_state, state.rng), metrics
+
+    def _optimizer_step_failed(
+        self, state: TrainState, inputs: tuple[Any, ...], snapshot: Any
+    ) -> Exception:
+        """The error for an optimizer step that ran out of memory, with the state kept."""
+        params, opt = inputs[:2]
+        if _is_deleted(inputs[:2]):
+            if snapshot is None:
+                return StateLostError(
+                    "the optimizer step, donating the train state because the state twice "
+                    "does not fit, ran out of memory inside its run and XLA deleted the "
+                    "state: restore it from your last checkpoint, and leave more memory free."
+                )
+            params, opt = jax.device_put(snapshot, self.device)
+        restored = TrainState(
+            params,
+            opt._replace(
+                acc_grads=self._zeros(self._state_structs.opt_state.acc_grads),
+                mini_step=jnp.zeros((), jnp.int32),
+            ),
+            state.model_state,
+            state.rng,
+        )
+        return OptimizerStepOutOfMemory(restored)
+
+    def _recover(self, exc: BaseException, size: int, state: TrainState, batch: Batch) -> None:
+        real = not isinstance(exc, SimulatedOutOfMemory)
+        estimate = self._executable(size).estimate
+        self.search_log.append(
+            SizeTrial(size, False, estimate, 0.0, "run" if real else "estimate", "step")
+        )
+        log.warning(
+            "micro-batch %d ran out of memory (%s); shrinking",
+            size,
+            "real" if real else "simulated",
+        )
+        if real:
+            self._real_oom_bytes = min(estimate, self._real_oom_bytes or estimate)
+        if size == 1:
+            capacity = self.capacity()
+            raise NothingFitsError(
+                1,
+                [],
+                detail=f"a micro-step of 1 needs {estimate:,} bytes (estimate) and "
+                f"{capacity if capacity is not None else 'less'} bytes are available",
+            ) from exc
+        self._size = self._search(
+            hi=size - 1,
+            reason=f"out of memory at size {size}",
+            trial=(state, batch) if self._real_oom_bytes is not None else None,
+        )
+
+    def _maybe_grow(self, state: TrainState, batch: Batch) -> None:
+        if self._fixed is not None or self._size == self.target_batch_size:
+            return
+        periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
+        on_limit = self.grow == "on_limit_change" and self._limit_raised
+        if not (periodic or on_limit):
+            return
+        self._limit_raised = False
+        self._updates_since_grow = 0
+        if periodic:
+            self._real_oom_bytes = None  # memory may have come back: let real runs decide
+        trial = (state, batch) if periodic or self._real_oom_bytes is not None else None
+        try:
+            self._size = self._search(
+                lo=self._size, hi=self.target_batch_size, reason="grow", trial=trial
+            )
+        except NothingFitsError:
+            pass  # not even the current size fits now: the step's recovery shrinks it

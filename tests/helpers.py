@@ -1,0 +1,55 @@
+"""Shared test fixtures: a small model, data, and the independent full-batch reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def mlp_params(seed=0, d_in=4, width=8):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (d_in, width)) / 2,
+        "b1": jnp.zeros(width),
+        "w2": jax.random.normal(k2, (width,)) / 3,
+    }
+
+
+def mlp_loss(params, batch, rng):
+    """Per-example mean squared error of a tanh network applied to each of L positions.
+
+    The positions make the activations, not the parameters, dominate the memory, as in
+    the models the trainer is for.
+    """
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, None, :])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2, axis=1)
+
+
+def regression_batches(num, size, seed=0, d_in=4, length=16):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, length, d_in)).astype(np.float32),
+            "y": rng.normal(size=(size, length)).astype(np.float32),
+        }
+        for _ in range(num)
+    ]
+
+
+def full_batch_reference(loss_fn, optimizer, params, batches, rng=None):
+    """Plain optax: one jitted full-batch step per batch on the mean loss."""
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: jnp.mean(loss_fn(p, batch, rng)))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for batch in batches:
+        params, opt_state = step(params, opt_state, batch)
+    return params
+
+
+def assert_trees_close(a, b, tol):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=tol), a, b)

@@ -1,0 +1,297 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    assert_trees_close,
+    full_batch_reference,
+    mlp_loss,
+    mlp_params,
+    regression_batches,
+)
+
+import jax_adaptive as ja
+from jax_adaptive.models import MLP, linen_classifier_loss
+
+T = 12
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+}
+
+
+def train(trainer, params, batches, **init_kwargs):
+    state = trainer.init(params, batches[0], **init_kwargs)
+    history = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        history.append(metrics)
+    return state, history
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("micro", [1, 2, 5, 7, T])  # 5 and 7 do not divide 12
+def test_equals_full_batch_step(optimizer, micro):
+    batches = regression_batches(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZERS[optimizer](), target_batch_size=T, micro_batch_size=micro
+    )
+    state, history = train(trainer, mlp_params(), batches)
+    expected = full_batch_reference(mlp_loss, OPTIMIZERS[optimizer](), mlp_params(), batches)
+    assert_trees_close(state.params, expected, 1e-5)
+    assert int(state.updates) == 3
+    assert history[-1]["accumulation_steps"] == -(-T // micro)
+    assert history[-1]["micro_batch_size"] == micro
+    assert history[-1]["examples"] == T
+
+
+def test_reported_loss_is_the_full_batch_mean():
+    batch = regression_batches(1, T)[0]
+    params = mlp_params()
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=5)
+    _, (metrics,) = train(trainer, params, [batch])
+    np.testing.assert_allclose(metrics["loss"], np.mean(mlp_loss(params, batch, None)), rtol=1e-6)
+
+
+def test_device_batches_equal_host_batches():
+    batches = regression_batches(2, T)
+    on_device = [jax.device_put(b) for b in batches]
+    results = []
+    for data in (batches, on_device):
+        trainer = ja.AdaptiveTrainer(
+            mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=5
+        )
+        results.append(train(trainer, mlp_params(), data)[0].params)
+    assert_trees_close(*results, 1e-6)
+
+
+def _dropout_setup():
+    model = MLP(features=(16,), num_classes=3, dropout_rate=0.5)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "image": rng.normal(size=(T, 4)).astype(np.float32),
+            "label": rng.integers(0, 3, T).astype(np.int32),
+        }
+        for _ in range(2)
+    ]
+    return linen_classifier_loss(model), params, batches
+
+
+def test_dropout_is_deterministic_given_the_rng():
+    loss, params, batches = _dropout_setup()
+
+    def run(seed):
+        trainer = ja.AdaptiveTrainer(
+            loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=5, has_aux=True
+        )
+        return train(trainer, params, batches, rng=jax.random.key(seed))
+
+    (a, ma), (b, mb), (c, _) = run(1), run(1), run(2)
+    assert_trees_close(a.params, b.params, 0)
+    assert float(ma[-1]["loss"]) == float(mb[-1]["loss"])
+    assert 0.0 <= float(ma[-1]["accuracy"]) <= 1.0
+    differ = jax.tree.leaves(jax.tree.map(lambda x, y: bool(jnp.any(x != y)), a.params, c.params))
+    assert any(differ), "another rng must drop other units"
+
+
+def test_one_compile_per_size_never_a_retrace():
+    traces = []
+
+    def counting_loss(params, batch, rng):
+        traces.append(batch["x"].shape[0])
+        return mlp_loss(params, batch, rng)
+
+    batches = regression_batches(4, T)
+    trainer = ja.AdaptiveTrainer(
+        counting_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=5
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    after_init = len(traces)
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    assert len(traces) == after_init, "a step retraced the loss"
+    assert dict(trainer.trace_counts) == {5: 1}
+    trainer.compile(3)
+    trainer.compile(3)
+    assert dict(trainer.trace_counts) == {5: 1, 3: 1}
+
+
+# ------------------------------------------------------------------ auto and limits
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """Brute force: the estimate of every size, 1..T, from its own compile."""
+    batches = regression_batches(1, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=1
+    )
+    trainer.init(mlp_params(), batches[0])
+    return {s: ja.estimate_peak_bytes(trainer.compile(s)) for s in range(1, T + 1)}
+
+
+def brute_force_max(estimates, limit):
+    fitting = [s for s, e in estimates.items() if e <= limit]
+    return max(fitting) if fitting else None
+
+
+def test_estimates_grow_with_size(estimates):
+    assert estimates[T] > estimates[T // 2] > estimates[2]
+
+
+@pytest.mark.parametrize("size", [4, 7, 11])
+def test_auto_picks_the_largest_size_whose_estimate_fits(estimates, size):
+    batches = regression_batches(2, T)
+    for limit in (estimates[size], estimates[size + 1] - 1):
+        expected = brute_force_max(estimates, limit)
+        trainer = ja.AdaptiveTrainer(
+            mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit
+        )
+        state, history = train(trainer, mlp_params(), batches)
+        assert trainer.micro_batch_size == expected
+        assert history[-1]["micro_batch_size"] == expected
+        assert trainer.accumulation_steps == -(-T // expected)
+        chosen = [t for t in trainer.search_log if t.size == expected][-1]
+        assert chosen.fits and chosen.estimated_bytes == estimates[expected]
+        assert all(t.estimated_bytes <= limit for t in trainer.search_log if t.fits)
+        assert all(t.estimated_bytes > limit for t in trainer.search_log if not t.fits)
+        reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+        assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_auto_without_limit_takes_the_whole_batch_on_cpu():
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T)
+    trainer.init(mlp_params(), regression_batches(1, T)[0])
+    assert trainer.micro_batch_size == T and trainer.compiles == 1
+
+
+def test_below_every_size_raises_with_the_bytes(estimates):
+    limit = min(estimates.values()) - 1
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit
+    )
+    with pytest.raises(ja.NothingFitsError, match=f"{limit:,} bytes are available"):
+        trainer.init(mlp_params(), regression_batches(1, T)[0])
+
+
+def test_lowering_the_limit_shrinks_at_the_next_step_and_stays_exact(estimates):
+    batches = regression_batches(4, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[T]
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    sizes = []
+    for i, batch in enumerate(batches):
+        if i == 2:
+            trainer.set_memory_limit(estimates[5])
+        state, metrics = trainer.step(state, batch)
+        sizes.append(metrics["micro_batch_size"])
+    assert sizes == [T, T, 5, 5]
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_raising_the_limit_grows_back(estimates):
+    batches = regression_batches(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.sgd(0.1), target_batch_size=T, memory_limit=estimates[3]
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    state, m0 = trainer.step(state, batches[0])
+    trainer.set_memory_limit(estimates[9])
+    state, m1 = trainer.step(state, batches[1])
+    assert (m0["micro_batch_size"], m1["micro_batch_size"]) == (3, 9)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"target_batch_size": 0}, ValueError, "target_batch_size=0 must be positive"),
+        ({"target_batch_size": -4}, ValueError, "must be positive"),
+        ({"target_batch_size": 2.5}, TypeError, "must be a positive int"),
+        ({"target_batch_size": "8"}, TypeError, "must be a positive int"),
+        ({"target_batch_size": True}, TypeError, "must be a positive int"),
+        ({"target_batch_size": 8, "micro_batch_size": 0}, ValueError, "must be positive"),
+        ({"target_batch_size": 8, "micro_batch_size": 1.5}, TypeError, "positive int"),
+        ({"target_batch_size": 8, "micro_batch_size": "big"}, TypeError, "positive int"),
+        ({"target_batch_size": 8, "micro_batch_size": 9}, ValueError, "must not exceed"),
+        ({"target_batch_size": 8, "memory_limit": -1}, ValueError, "memory_limit"),
+    ],
+)
+def test_bad_sizes(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), **kwargs)
+
+
+def test_bad_optimizer_and_loss():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        ja.AdaptiveTrainer(mlp_loss, "adam", target_batch_size=8)
+    with pytest.raises(TypeError, match="callable"):
+        ja.AdaptiveTrainer(None, optax.sgd(0.1), target_batch_size=8)
+
+
+def test_bad_batches():
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=4)
+    good = regression_batches(1, T)[0]
+    state = trainer.init(mlp_params(), good)
+    with pytest.raises(ValueError, match=f"leading size 8.*target_batch_size={T}"):
+        trainer.step(state, regression_batches(1, 8)[0])
+    with pytest.raises(ValueError, match="disagree in leading size"):
+        trainer.step(state, {"x": good["x"], "y": good["y"][:5]})
+    with pytest.raises(ValueError, match="per-example shape"):
+        trainer.step(state, {"x": np.zeros((T, 16, 5), np.float32), "y": good["y"]})
+    with pytest.raises(ValueError, match="structure"):
+        trainer.step(state, {"x": good["x"]})
+
+
+@pytest.mark.parametrize(
+    "bad_loss",
+    [
+        lambda p, b, r: jnp.mean(mlp_loss(p, b, r)),  # a mean, not per-example
+        lambda p, b, r: mlp_loss(p, b, r)[:, None],  # [m, 1]
+    ],
+)
+def test_loss_must_be_per_example(bad_loss):
+    trainer = ja.AdaptiveTrainer(bad_loss, optax.sgd(0.1), target_batch_size=T)
+    with pytest.raises(ValueError, match=r"per-example, of shape \(1,\)"):
+        trainer.init(mlp_params(), regression_batches(1, T)[0])
+
+
+class UserError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("micro", ["auto", 4])
+def test_errors_in_the_loss_propagate_as_themselves(micro):
+    def broken(params, batch, rng):
+        raise UserError("mine")
+
+    trainer = ja.AdaptiveTrainer(
+        broken, optax.sgd(0.1), target_batch_size=T, micro_batch_size=micro
+    )
+    with pytest.raises(UserError, match="mine"):
+        trainer.init(mlp_params(), regression_batches(1, T)[0])
+
+
+def test_a_user_value_error_mentioning_memory_is_not_an_oom():
+    def broken(params, batch, rng):
+        raise ValueError("RESOURCE_EXHAUSTED: out of memory (but from the user's code)")
+
+    trainer = ja.AdaptiveTrainer(broken, optax.sgd(0.1), target_batch_size=T)
+    with pytest.raises(ValueError, match="from the user's code"):
+        trainer.init(mlp_params(), regression_batches(1, T)[0])
+
+
+def test_use_before_init():
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T)
+    with pytest.raises(RuntimeError, match="init"):
+        trainer.compile(4)
+    with pytest.raises(RuntimeError, match="init"):
+        _ = trainer.micro_batch_size
