@@ -101,6 +101,7 @@ def synthetic_images(
     image_shape: tuple[int, int, int] = (16, 16, 3),
     num_classes: int = 10,
     seed: int = 0,
+    pattern_seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Images with a learnable signal: each class adds its own fixed pattern to noise.
 
@@ -108,7 +109,8 @@ def synthetic_images(
         num_examples: how many examples.
         image_shape: height, width, channels.
         num_classes: how many labels.
-        seed: the seed of the patterns and the noise.
+        seed: the seed of the labels and the noise (vary it for new examples).
+        pattern_seed: the seed of the class patterns (keep it for the same task).
 
     Returns:
         ``{"image": float32[N, H, W, C], "label": int32[N]}``.
@@ -118,8 +120,9 @@ def synthetic_images(
         >>> data["image"].shape, data["label"].dtype
         ((4, 8, 8, 1), dtype('int32'))
     """
-    rng = np.random.default_rng(seed)
-    patterns = rng.normal(size=(num_classes, *image_shape)).astype(np.float32)
+    patterns = np.random.default_rng(pattern_seed).normal(size=(num_classes, *image_shape))
+    patterns = patterns.astype(np.float32)
+    rng = np.random.default_rng([seed, pattern_seed])
     labels = rng.integers(0, num_classes, size=num_examples).astype(np.int32)
     noise = rng.normal(size=(num_examples, *image_shape)).astype(np.float32)
     return {"image": noise + patterns[labels], "label": labels}

@@ -1,0 +1,49 @@
+import jax
+import numpy as np
+import pytest
+
+import jax_adaptive as ja
+
+
+@pytest.mark.parametrize("total", [1, 7, 12])
+@pytest.mark.parametrize("size", [1, 2, 5, 12])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_micro_batches_cover_each_row_once(total, size, on_device):
+    if size > total:
+        size = total
+    batch = {"id": np.arange(total), "x": np.arange(total * 2, dtype=np.float32).reshape(total, 2)}
+    if on_device:
+        batch = jax.device_put(batch)
+    seen = []
+    parts = list(ja.micro_batches(batch, size))
+    assert len(parts) == -(-total // size)
+    for part in parts:
+        ids = np.asarray(part.batch["id"])
+        assert ids.shape == (size,) and part.mask.shape == (size,)
+        np.testing.assert_array_equal(np.asarray(part.batch["x"])[:, 0], ids * 2)
+        assert part.offset == ids[0]
+        # padding repeats real rows of the same micro-batch, never zeros or others' rows
+        assert set(ids[~part.mask]) <= set(ids[part.mask])
+        seen.extend(ids[part.mask].tolist())
+    assert seen == list(range(total))
+
+
+def test_leading_size_errors():
+    with pytest.raises(ValueError, match="no arrays"):
+        ja.leading_size({})
+    with pytest.raises(ValueError, match="scalar"):
+        ja.leading_size({"x": np.float32(1.0)})
+    with pytest.raises(ValueError, match="disagree"):
+        ja.leading_size({"x": np.zeros(3), "y": np.zeros(4)})
+
+
+def test_synthetic_images_share_patterns_across_seeds():
+    a = ja.synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=1)
+    b = ja.synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=2)
+    assert not np.array_equal(a["image"], b["image"])
+    for data in (a, b):
+        means = [data["image"][data["label"] == c].mean(0) for c in (0, 1)]
+        other = [
+            x["image"][x["label"] == c].mean(0) for x in (b if data is a else a,) for c in (0, 1)
+        ]
+        np.testing.assert_allclose(means, other, atol=0.35)  # same class patterns
