@@ -6,21 +6,36 @@ Example:
     40
 """
 
-from jax_adaptive.data import MicroBatch, leading_size, micro_batches, synthetic_images
+from jax_adaptive import testing
+from jax_adaptive.data import (
+    MicroBatch,
+    Rebatcher,
+    leading_size,
+    micro_batches,
+    synthetic_images,
+)
 from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
-from jax_adaptive.trainer import AdaptiveTrainer, SizeTrial
+from jax_adaptive.trainer import (
+    AdaptiveTrainer,
+    OptimizerStepOutOfMemory,
+    SizeTrial,
+    StateLostError,
+)
 
 __all__ = [
     "AdaptiveTrainer",
     "MicroBatch",
     "NothingFitsError",
+    "OptimizerStepOutOfMemory",
+    "Rebatcher",
     "SearchResult",
     "SearchTrial",
     "SimulatedOutOfMemory",
     "SizeTrial",
+    "StateLostError",
     "TrainState",
     "device_capacity",
     "estimate_peak_bytes",
@@ -33,4 +48,5 @@ __all__ = [
     "multi_steps",
     "search_max_size",
     "synthetic_images",
+    "testing",
 ]

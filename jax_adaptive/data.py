@@ -8,14 +8,14 @@ on the device with one compiled gather per micro-batch size.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MicroBatch", "leading_size", "micro_batches", "synthetic_images"]
+__all__ = ["MicroBatch", "Rebatcher", "leading_size", "micro_batches", "synthetic_images"]
 
 
 class MicroBatch(NamedTuple):
@@ -93,6 +93,67 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
         mask = np.arange(size) < real
         rows = functools.partial(_rows, start=offset, idx=idx, m=size)
         yield MicroBatch(jax.tree.map(rows, batch), mask, offset)
+
+
+class Rebatcher:
+    """Turns a stream of batches of any leading size into batches of exactly ``size``.
+
+    Leftover examples carry over to the next batch; nothing is reordered, skipped or
+    repeated. A stream that ends leaves its last partial batch in ``leftover``.
+
+    Args:
+        batches: an iterable of pytrees of host arrays, any leading size (0 included).
+        size: the leading size of each batch yielded.
+
+    Attributes:
+        consumed: examples yielded so far (the stream position, for resuming).
+        leftover: examples read from the stream but not yet yielded.
+
+    Example:
+        >>> stream = [{"id": np.arange(0, 3)}, {"id": np.arange(3, 8)}, {"id": np.arange(8, 9)}]
+        >>> rebatched = Rebatcher(stream, 4)
+        >>> [b["id"].tolist() for b in rebatched], rebatched.leftover, rebatched.consumed
+        ([[0, 1, 2, 3], [4, 5, 6, 7]], 1, 8)
+    """
+
+    def __init__(self, batches: Iterable[Any], size: int):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{size=} must be a positive int.")
+        self._batches = iter(batches)
+        self.size = size
+        self._pending: list[Any] = []
+        self.leftover = 0
+        self.consumed = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while self.leftover < self.size:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                raise StopIteration from None
+            if self._pending:
+                want = jax.tree.structure(self._pending[0])
+                if jax.tree.structure(batch) != want:
+                    raise ValueError(
+                        f"a batch of the stream has structure {jax.tree.structure(batch)}, "
+                        f"the ones before it {want}."
+                    )
+            self.leftover += leading_size(batch, "a batch of the stream")
+            self._pending.append(jax.tree.map(np.asarray, batch))
+        joined = (
+            self._pending[0]
+            if len(self._pending) == 1
+            else jax.tree.map(lambda *xs: np.concatenate(xs), *self._pending)
+        )
+        out = jax.tree.map(lambda x: x[: self.size], joined)
+        rest = jax.tree.map(lambda x: x[self.size :], joined)
+        self.leftover -= self.size
+        self._pending = [rest] if self.leftover else []
+        self.consumed += self.size
+        return out
 
 
 def synthetic_images(

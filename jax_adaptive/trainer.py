@@ -15,10 +15,12 @@ The host loop kept apart from the jitted pieces of `jax_adaptive.step`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_adaptive.data import leading_size, micro_batches
+from jax_adaptive.data import Rebatcher, leading_size, micro_batches
 from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
 from jax_adaptive.search import NothingFitsError, search_max_size
@@ -91,6 +93,43 @@ class StateLostError(RuntimeError):
     """A donating call failed after its first run and XLA deleted the train state."""
 
 
+@dataclasses.dataclass
+class _Progress:
+    """How far the current update got: what a failed micro-step lets it go on from."""
+
+    acc: Any
+    opt: Any  # the MultiStepsState without its accumulator
+    model_state: Any
+    totals: Any
+    offset: int = 0  # the first example not yet accumulated
+    steps: int = 0  # micro-steps accumulated
+
+    saved: _Saved | None = None  # a host copy of a point the update can go on from
+
+    def advance(self, acc, mini_step, model_state, totals, size: int, total: int) -> None:
+        self.acc, self.model_state, self.totals = acc, model_state, totals
+        self.opt = self.opt._replace(mini_step=mini_step)
+        self.offset = min(self.offset + size, total)
+        self.steps += 1
+
+    def save(self) -> None:
+        """Copies the progress to the host, once the last micro-step ran.
+
+        It blocks first: that raises a failed run's error, where reading a failed
+        buffer straight away can abort the process on XLA:CPU.
+        """
+        jax.block_until_ready((self.acc, self.model_state, self.totals))
+        arrays = jax.device_get((self.acc, self.model_state, self.totals))
+        self.saved = _Saved(arrays, jax.device_get(self.opt), self.offset, self.steps)
+
+
+class _Saved(NamedTuple):
+    arrays: Any  # host copies of (acc, model_state, totals)
+    opt: Any
+    offset: int
+    steps: int
+
+
 class _Executable(NamedTuple):
     compiled: Any
     estimate: int
@@ -139,6 +178,9 @@ class AdaptiveTrainer:
         grow: when to try a larger micro-batch again, at an update boundary:
             ``"never"``, ``"on_limit_change"`` (after `set_memory_limit` raises the
             limit) or an int ``N`` (every ``N`` updates, with real trial runs).
+        oom_retries: how many real out-of-memory errors in a row, with no micro-step
+            running in between, are retried at micro-batch 1 before the trainer gives
+            up (a transient peak of another job should not end a run).
         device: the device to train on (the first local device by default).
 
     Example:
@@ -167,6 +209,7 @@ class AdaptiveTrainer:
         has_state: bool = False,
         headroom: float = 0.05,
         grow: GrowPolicy = "on_limit_change",
+        oom_retries: int = 3,
         device: jax.Device | None = None,
     ):
         if not callable(loss_fn):
@@ -194,6 +237,7 @@ class AdaptiveTrainer:
         self.has_state = has_state
         self.headroom = headroom
         self.grow = grow
+        self.oom_retries = oom_retries
         self.device = device or jax.local_devices()[0]
         self._fixed = None if micro_batch_size == "auto" else micro_batch_size
         self.memory_limit = None if memory_limit is None else self._check_limit(memory_limit)
@@ -214,6 +258,8 @@ class AdaptiveTrainer:
         self._lowerings: dict[int, Any] = {}
         self._optimizer_steps: dict[bool, _Executable] = {}
         self._optimizer_step_ran: set[bool] = set()
+        self._faults: Any = None  # a jax_adaptive.testing.FaultInjector, in tests
+        self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
         self._size: int | None = None
         self._ran: set[int] = set()
         self._real_oom_bytes: int | None = None  # smallest estimate that really failed
@@ -337,14 +383,88 @@ class AdaptiveTrainer:
         self._require_init()
         self._check_batch(batch)
         self._maybe_grow(state, batch)
+        progress = self._fresh_progress(state)
+        failed = False
         while True:
             size = self._size
             try:
-                return self._update(state, batch, size)
+                self._accumulate(state, batch, size, progress, cautious=failed)
+                break
             except Exception as exc:
                 if self._fixed is not None or not is_oom(exc):
                     raise
                 self._recover(exc, size, state, batch)
+                # Go on from the micro-step that failed when what came before survived;
+                # else start the update again from the state, which nothing donated.
+                progress = self._salvage(progress) or self._fresh_progress(state)
+                failed = True
+        return self._apply(state, progress)
+
+    def fit(
+        self,
+        state: TrainState,
+        batches: Iterable[Batch],
+        num_updates: int | None = None,
+        *,
+        progress: bool = False,
+        on_update: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> tuple[TrainState, list[dict[str, Any]]]:
+        """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
+
+        Leftover examples carry over between updates; a change of micro-batch size
+        never restarts, reshuffles or drops the stream.
+
+        Args:
+            state: the current `TrainState`.
+            batches: an iterable of host batches, each of any leading size.
+            num_updates: how many updates to run; None runs until the stream ends.
+            progress: show a progress bar (update, examples/s, micro-batch size and
+                accumulation steps).
+            on_update: called with the update's number and metrics after each update.
+
+        Returns:
+            The state and one metrics dict (host values) per update.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2,
+            ...                              optax.sgd(0.1), target_batch_size=8)
+            >>> stream = (np.ones(5, np.float32) for _ in range(4))  # 20 examples
+            >>> state = trainer.init(jnp.zeros(()), np.ones(1, np.float32))
+            >>> state, history = trainer.fit(state, stream)
+            >>> len(history), [h["examples"] for h in history]
+            (2, [8, 8])
+        """
+        from tqdm.auto import tqdm
+
+        if num_updates is not None:
+            _positive_int("num_updates", num_updates)
+        stream = Rebatcher(batches, self.target_batch_size)
+        history: list[dict[str, Any]] = []
+        bar = tqdm(total=num_updates, disable=not progress, unit="update", leave=False)
+        start = time.perf_counter()
+        try:
+            for batch in stream:
+                state, metrics = self.step(state, batch)
+                metrics = jax.device_get(metrics)
+                history.append(metrics)
+                if on_update is not None:
+                    on_update(len(history), metrics)
+                rate = len(history) * self.target_batch_size / (time.perf_counter() - start)
+                bar.set_postfix(
+                    loss=f"{float(metrics['loss']):.4f}",
+                    ex_s=f"{rate:,.0f}",
+                    micro=metrics["micro_batch_size"],
+                    accum=metrics["accumulation_steps"],
+                )
+                bar.update()
+                if num_updates is not None and len(history) == num_updates:
+                    break
+        finally:
+            bar.close()
+        if stream.leftover and (num_updates is None or len(history) < num_updates):
+            log.info("the stream ended with %d examples short of a target batch", stream.leftover)
+        return state, history
 
     # ----------------------------------------------------------------- internals
 
@@ -421,6 +541,8 @@ class AdaptiveTrainer:
         size = int(size)
         if size not in self._executables:
             start = time.perf_counter()
+            if self._faults is not None:
+                self._faults.before_compile(size)
             compiled = self._lowered(size).compile()
             del self._lowerings[size]
             seconds = time.perf_counter() - start
@@ -558,7 +680,7 @@ class AdaptiveTrainer:
     def _trial_run(self, size: int, state: TrainState, batch: Batch) -> None:
         """Runs one micro-step of ``size`` on a fresh accumulator and throws it away."""
         micro = next(micro_batches(batch, size))
-        out = self._executable(size).compiled(
+        args = (
             state.params,
             state.opt_state._replace(acc_grads=None),
             self._zeros(self._state_structs.opt_state.acc_grads),
@@ -570,33 +692,86 @@ class AdaptiveTrainer:
             np.int32(0),
             np.int32(2),
         )
-        jax.block_until_ready(out)
+        jax.block_until_ready(self._run_micro_step(size, args))
 
     def _zeros(self, structs: Any) -> Any:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.device), structs)
 
-    def _update(self, state: TrainState, batch: Batch, size: int):
-        executable = self._executable(size)
-        self._check_capacity(size)
-        steps = math.ceil(self.target_batch_size / size)
-        k = np.int32(steps + 1)
+    def _fresh_progress(self, state: TrainState) -> _Progress:
         acc = state.opt_state.acc_grads
         if _is_deleted(acc):  # donated to a micro-step that failed
             acc = self._zeros(self._state_structs.opt_state.acc_grads)
-        opt, model_state = state.opt_state._replace(acc_grads=None), state.model_state
-        totals = self._zeros(self._totals_struct)
-        first_run = size not in self._ran
-        for i, micro in enumerate(micro_batches(batch, size)):
-            acc, mini_step, model_state, totals = executable.compiled(
-                state.params, opt, acc, model_state, totals,
+        return _Progress(
+            acc=acc,
+            opt=state.opt_state._replace(acc_grads=None),
+            model_state=state.model_state,
+            totals=self._zeros(self._totals_struct),
+        )
+
+    def _salvage(self, progress: _Progress | None) -> _Progress | None:
+        """The progress of a failed update if it can go on, else None (start it again).
+
+        It goes on from the device buffers when the failure left them alive (a simulated
+        limit, an out-of-memory at dispatch), else from the host copy of the last
+        micro-step that a new size's first run keeps.
+        """
+        if progress is None or progress.steps == 0:
+            return None
+        kept = (progress.acc, progress.model_state, progress.totals)
+        if not _is_deleted(kept):
+            try:  # a failure may have surfaced late, poisoning buffers still alive
+                jax.block_until_ready(kept)
+                return progress
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+        if progress.saved is None:
+            return None
+        saved = progress.saved
+        acc, model_state, totals = jax.device_put(saved.arrays, self.device)
+        return _Progress(acc, saved.opt, model_state, totals, saved.offset, saved.steps)
+
+    def _run_micro_step(self, size: int, args: tuple[Any, ...]) -> Any:
+        """The one place a micro-step executes (fault injection hooks in here)."""
+        if self._faults is not None:
+            self._faults.before_execution(size, args)
+        return self._executable(size).compiled(*args)
+
+    def _accumulate(
+        self, state: TrainState, batch: Batch, size: int, p: _Progress, cautious: bool
+    ) -> None:
+        """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
+
+        ``cautious`` (after an out-of-memory in this update) and a size's first run
+        keep a host copy of each micro-step's result, so that a failure costs one
+        micro-step, not the update.
+        """
+        self._executable(size)
+        self._check_capacity(size)
+        cautious = cautious or size not in self._ran
+        remaining = math.ceil((self.target_batch_size - p.offset) / size)
+        k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
+        for micro in micro_batches(batch, size, start=p.offset):
+            args = (
+                state.params, p.opt, p.acc, p.model_state, p.totals,
                 micro.batch, micro.mask, state.rng, np.int32(micro.offset), k,
             )  # fmt: skip
-            opt = opt._replace(mini_step=mini_step)
-            if first_run and i == 0:
-                # A new size's first run must fail here, inside the try, if it fails.
-                jax.block_until_ready(acc)
+            acc, mini_step, model_state, totals = self._run_micro_step(size, args)
+            p.advance(acc, mini_step, model_state, totals, size, self.target_batch_size)
+            if cautious:
+                # A new size's first update, or one that already failed, is where an
+                # out-of-memory is likeliest: each micro-step must fail inside the try,
+                # and a host copy of its result lets a failure go on from there.
+                p.save()
+                self._oom_streak = 0
+        # A late (asynchronous) failure must surface as the micro-step's, not later.
+        jax.block_until_ready((p.acc, p.totals, p.model_state))
+        self._oom_streak = 0
+        self._ran.add(size)
+
+    def _apply(self, state: TrainState, p: _Progress) -> tuple[TrainState, dict[str, Any]]:
         optimizer_step, donating = self._optimizer_step()
-        inputs = (state.params, opt._replace(acc_grads=acc), totals, k)
+        inputs = (state.params, p.opt._replace(acc_grads=p.acc), p.totals, np.int32(p.steps + 1))
         # A donating call that fails deletes its inputs: keep a host copy for its first run.
         snapshot = jax.device_get(inputs[:2]) if donating not in self._optimizer_step_ran else None
         try:
@@ -607,15 +782,14 @@ class AdaptiveTrainer:
                 raise
             raise self._optimizer_step_failed(state, inputs, snapshot) from exc
         self._optimizer_step_ran.add(donating)
-        self._ran.add(size)
         self._updates_since_grow += 1
         metrics = {
             **means,
-            "micro_batch_size": size,
-            "accumulation_steps": steps,
+            "micro_batch_size": self._size,
+            "accumulation_steps": p.steps,
             "examples": self.target_batch_size,
         }
-        return TrainState(params, opt_state, model_state, state.rng), metrics
+        return TrainState(params, opt_state, p.model_state, state.rng), metrics
 
     def _optimizer_step_failed(
         self, state: TrainState, inputs: tuple[Any, ...], snapshot: Any
@@ -642,31 +816,36 @@ class AdaptiveTrainer:
         return OptimizerStepOutOfMemory(restored)
 
     def _recover(self, exc: BaseException, size: int, state: TrainState, batch: Batch) -> None:
+        """Marks ``size`` as not fitting and picks the next size (a smaller one)."""
         real = not isinstance(exc, SimulatedOutOfMemory)
         estimate = self._executable(size).estimate
         self.search_log.append(
             SizeTrial(size, False, estimate, 0.0, "run" if real else "estimate", "step")
         )
-        log.warning(
-            "micro-batch %d ran out of memory (%s); shrinking",
-            size,
-            "real" if real else "simulated",
-        )
+        log.warning("micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated")
+        self._oom_streak += 1
         if real:
             self._real_oom_bytes = min(estimate, self._real_oom_bytes or estimate)
-        if size == 1:
-            capacity = self.capacity()
-            raise NothingFitsError(
-                1,
-                [],
-                detail=f"a micro-step of 1 needs {estimate:,} bytes (estimate) and "
-                f"{capacity if capacity is not None else 'less'} bytes are available",
-            ) from exc
-        self._size = self._search(
-            hi=size - 1,
-            reason=f"out of memory at size {size}",
-            trial=(state, batch) if self._real_oom_bytes is not None else None,
-        )
+        try:
+            if size == 1:
+                capacity = self.capacity()
+                raise NothingFitsError(
+                    1,
+                    [],
+                    detail=f"a micro-step of 1 needs {estimate:,} bytes (estimate) and "
+                    f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
+                ) from exc
+            self._size = self._search(
+                hi=size - 1,
+                reason=f"out of memory at size {size}",
+                trial=(state, batch) if self._real_oom_bytes is not None else None,
+            )
+        except NothingFitsError:
+            # A real out-of-memory can pass (fragmentation, another job's peak): retry the
+            # smallest size a few times in a row before giving up.
+            if not real or self._oom_streak > self.oom_retries:
+                raise
+            self._size = 1
 
     def _maybe_grow(self, state: TrainState, batch: Batch) -> None:
         if self._fixed is not None or self._size == self.target_batch_size:

@@ -1,6 +1,6 @@
 """Adapters: a Flax model into the per-example loss `AdaptiveTrainer` takes."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -9,12 +9,29 @@ import optax
 
 
 def linen_classifier_loss(
-    model: nn.Module, *, image_key: str = "image", label_key: str = "label"
-) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]:
+    model: nn.Module,
+    *,
+    mutable: Sequence[str] = (),
+    image_key: str = "image",
+    label_key: str = "label",
+) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a linen classifier, with accuracy as aux.
 
-    The model is called as ``model.apply({"params": params}, x, train=True,
-    rngs={"dropout": rng})``; use it with ``has_aux=True``.
+    The model is called as ``model.apply({"params": params, **model_state}, x,
+    train=True, rngs={"dropout": rng}, mutable=mutable)``. Use the loss with
+    ``has_aux=True``, and with ``has_state=True`` when ``mutable`` names collections
+    (Flax ``batch_stats``): it then takes and returns the model state, and BatchNorm
+    statistics are those of each micro-batch, as in every accumulation scheme.
+
+    Args:
+        model: any linen module taking ``(x, train=...)`` and returning logits.
+        mutable: the collections the model updates in training, e.g. ``("batch_stats",)``.
+        image_key: the batch's input key.
+        label_key: the batch's integer label key.
+
+    Returns:
+        ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
+        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -27,13 +44,29 @@ def linen_classifier_loss(
         ((5,), (5,))
     """
 
+    def losses_of(logits, labels):
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        accuracy = (logits.argmax(-1) == labels).astype(logits.dtype)
+        return losses, {"accuracy": accuracy}
+
+    if mutable:
+
+        def stateful_loss_fn(params, model_state, batch, rng):
+            logits, new_state = model.apply(
+                {"params": params, **model_state},
+                batch[image_key],
+                train=True,
+                rngs={"dropout": rng},
+                mutable=list(mutable),
+            )
+            return losses_of(logits, batch[label_key]), new_state
+
+        return stateful_loss_fn
+
     def loss_fn(params, batch, rng):
         logits = model.apply(
             {"params": params}, batch[image_key], train=True, rngs={"dropout": rng}
         )
-        labels = batch[label_key]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        accuracy = (logits.argmax(-1) == labels).astype(logits.dtype)
-        return losses, {"accuracy": accuracy}
+        return losses_of(logits, batch[label_key])
 
     return loss_fn

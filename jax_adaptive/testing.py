@@ -1,0 +1,110 @@
+"""Fault injection: out-of-memory errors on demand, through the path a real one takes.
+
+A real out-of-memory in a run raises from the executable's call and, as measured on
+these machines (DESIGN.md), leaves the call's donated inputs deleted. The injector
+does both at the chosen executions: it deletes the donated arguments (the accumulator
+and the running totals) and raises ``jax.errors.JaxRuntimeError`` with XLA's
+``RESOURCE_EXHAUSTED`` text, from the one place a micro-step executes. At a chosen
+size's compile it raises the same error, as XLA does when compiling runs out of memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Container, Iterator
+from typing import Any
+
+import jax
+
+__all__ = ["FaultInjector", "inject_oom"]
+
+# The micro-step's donated arguments: the accumulator and the totals (see step.py).
+_DONATED = (2, 4)
+
+
+class FaultInjector:
+    """Makes chosen micro-step executions, or chosen sizes' compiles, run out of memory.
+
+    Args:
+        executions: 1-based numbers of the micro-step executions to fail, counted
+            across the trainer's life from when the injector is installed (trial runs
+            of the search count too).
+        compile_sizes: micro-batch sizes whose compile always fails.
+        delete_donated: delete the donated inputs before raising, as a real failed run
+            does (DESIGN.md); False mimics an error raised at dispatch on a GPU.
+
+    Attributes:
+        executions_seen: micro-step executions so far.
+        injected: the (execution number, size) of each injected failure.
+
+    Example:
+        >>> injector = FaultInjector(executions={2})
+        >>> injector.before_execution(8, ())
+        >>> try:
+        ...     injector.before_execution(8, ())
+        ... except Exception as exc:
+        ...     print(type(exc).__name__, "RESOURCE_EXHAUSTED" in str(exc))
+        JaxRuntimeError True
+    """
+
+    def __init__(
+        self,
+        executions: Container[int] = (),
+        compile_sizes: Container[int] = (),
+        delete_donated: bool = True,
+    ):
+        self.executions = executions
+        self.compile_sizes = compile_sizes
+        self.delete_donated = delete_donated
+        self.executions_seen = 0
+        self.injected: list[tuple[int, int]] = []
+
+    def before_execution(self, size: int, args: tuple[Any, ...]) -> None:
+        """Called by the trainer just before a micro-step of ``size`` runs on ``args``."""
+        self.executions_seen += 1
+        if self.executions_seen not in self.executions:
+            return
+        if self.delete_donated:
+            for i in _DONATED:
+                if i < len(args):
+                    for leaf in jax.tree.leaves(args[i]):
+                        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                            leaf.delete()
+        self.injected.append((self.executions_seen, size))
+        raise jax.errors.JaxRuntimeError(
+            f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate a micro-batch of "
+            f"{size} (injected at execution {self.executions_seen})."
+        )
+
+    def before_compile(self, size: int) -> None:
+        """Called by the trainer just before it compiles the micro-step for ``size``."""
+        if size in self.compile_sizes:
+            self.injected.append((0, size))
+            raise jax.errors.JaxRuntimeError(
+                f"RESOURCE_EXHAUSTED: Out of memory while compiling the micro-step for {size} "
+                "(injected)."
+            )
+
+
+@contextlib.contextmanager
+def inject_oom(trainer: Any, **kwargs: Any) -> Iterator[FaultInjector]:
+    """Installs a `FaultInjector` on a trainer for the duration of a ``with`` block.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+        >>> from jax_adaptive.testing import inject_oom
+        >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
+        ...                              target_batch_size=8)
+        >>> batch = np.ones(8, np.float32)
+        >>> state = trainer.init(jnp.ones(()), batch)
+        >>> with inject_oom(trainer, executions={1}) as faults:
+        ...     state, metrics = trainer.step(state, batch)
+        >>> faults.injected, metrics["micro_batch_size"] < 8
+        ([(1, 8)], True)
+    """
+    injector = FaultInjector(**kwargs)
+    previous, trainer._faults = trainer._faults, injector
+    try:
+        yield injector
+    finally:
+        trainer._faults = previous
