@@ -15,7 +15,7 @@ from jax_adaptive.data import (
     synthetic_images,
 )
 from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
-from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
+from jax_adaptive.oom import HostOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
 from jax_adaptive.trainer import (
@@ -27,6 +27,7 @@ from jax_adaptive.trainer import (
 
 __all__ = [
     "AdaptiveTrainer",
+    "HostOutOfMemory",
     "MicroBatch",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",

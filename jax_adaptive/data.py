@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_adaptive.oom import HostOutOfMemory
+
 __all__ = ["MicroBatch", "Rebatcher", "leading_size", "micro_batches", "synthetic_images"]
 
 
@@ -63,7 +65,12 @@ def _rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
         rows = idx if idx is not None else np.arange(start, start + m)
         return _take(leaf, rows.astype(np.int32))
     leaf = np.asarray(leaf)
-    return leaf[start : start + m] if idx is None else leaf[idx]
+    if idx is None:
+        return leaf[start : start + m]  # a view: nothing allocated
+    try:
+        return leaf[idx]
+    except MemoryError:
+        raise HostOutOfMemory(leaf[:1].nbytes * m) from None
 
 
 def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]:

@@ -17,7 +17,7 @@ import re
 
 import jax
 
-__all__ = ["SimulatedOutOfMemory", "is_oom"]
+__all__ = ["HostOutOfMemory", "SimulatedOutOfMemory", "is_oom"]
 
 # Phrases XLA, PJRT, cuBLAS and cuDNN use for a failed device allocation.
 _OOM_PATTERN = re.compile(
@@ -54,6 +54,25 @@ class SimulatedOutOfMemory(RuntimeError):
         )
 
 
+class HostOutOfMemory(RuntimeError):
+    """The host ran out of memory building a micro-batch for the device.
+
+    A padded micro-batch is a copy; on a CPU the host's memory is the device's, so
+    failing to allocate it is the micro-step's out-of-memory, not the user's error.
+
+    Example:
+        >>> import jax_adaptive as ja
+        >>> ja.is_oom(ja.HostOutOfMemory(1_000_000))
+        True
+    """
+
+    def __init__(self, nbytes: int):
+        super().__init__(
+            f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes:,} bytes on the host for a "
+            "padded micro-batch."
+        )
+
+
 def is_oom(exc: BaseException) -> bool:
     """Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
 
@@ -64,7 +83,7 @@ def is_oom(exc: BaseException) -> bool:
         True for the forms XLA reports a failed allocation in (``JaxRuntimeError`` on a
         first call, ``ValueError`` from the compiled fast path, XLA:CPU's wrapped
         ``INTERNAL ... Out of memory``, cuBLAS/cuDNN allocation failures) and for
-        `SimulatedOutOfMemory`; False for every other error, including a plain
+        `SimulatedOutOfMemory` and `HostOutOfMemory`; False for every other error, including a plain
         ``RuntimeError`` (which XLA never raises) whose text mentions memory.
 
     Example:
@@ -76,7 +95,7 @@ def is_oom(exc: BaseException) -> bool:
         >>> ja.is_oom(MemoryError())
         False
     """
-    if isinstance(exc, SimulatedOutOfMemory):
+    if isinstance(exc, SimulatedOutOfMemory | HostOutOfMemory):
         return True
     # XLA raises JaxRuntimeError on a first call and a plain ValueError on the compiled
     # fast path; any other type (a user's RuntimeError, a ValueError subclass) is not XLA's.

@@ -678,8 +678,13 @@ class AdaptiveTrainer:
             ) from None
 
     def _trial_run(self, size: int, state: TrainState, batch: Batch) -> None:
-        """Runs one micro-step of ``size`` on a fresh accumulator and throws it away."""
-        micro = next(micro_batches(batch, size))
+        """Runs one micro-step of ``size`` on a fresh accumulator and throws it away.
+
+        It runs the update's last micro-batch: when padded, it is a copy, the most a
+        micro-step of this size holds (on a CPU, host copies share the device's memory).
+        """
+        last = (self.target_batch_size - 1) // size * size
+        micro = next(micro_batches(batch, size, start=last))
         args = (
             state.params,
             state.opt_state._replace(acc_grads=None),

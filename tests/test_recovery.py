@@ -33,7 +33,7 @@ def size_estimate(size):
     trainer = ja.AdaptiveTrainer(id_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=T)
     trainer.init(
         {"mlp": mlp_params(), "seen": jnp.zeros(N)}, next(epoch_stream(0, np.random.default_rng(0)))
-    )  # noqa: E501
+    )
     return ja.estimate_peak_bytes(trainer.compile(size))
 
 

@@ -4,7 +4,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import optax
 
 

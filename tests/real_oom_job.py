@@ -1,0 +1,83 @@
+"""Trains under a real address-space limit, where XLA:CPU raises real out-of-memory errors.
+
+Run as a script in a subprocess (the limit cannot be lifted once set):
+``python real_oom_job.py MARGIN_MB OUT.npz``. DESIGN.md: the limit is the process's
+address space after JAX has started plus a margin; YNNPACK is turned off so a failed
+allocation reads as "Out of memory". The model is elementwise (no matmul): its only
+memory is XLA's own buffers, so a size either fails cleanly or runs, with no library
+scratch allocation that could abort the process in between.
+"""
+
+import os
+
+if __name__ == "__main__":  # before JAX starts; never when a test imports this module
+    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import gc
+import json
+import resource
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+T, D, UPDATES = 256, 65536, 2
+
+
+def loss_fn(params, batch, rng):
+    h = jnp.tanh(batch["x"] * params["w"][None, :] + params["b"][None, :])
+    return jnp.mean((h - batch["y"]) ** 2, axis=1)
+
+
+def make_problem():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.ones(D) * 0.5, "b": jnp.zeros(D)}
+    batches = [
+        {
+            "x": rng.normal(size=(T, D)).astype(np.float32),
+            "y": rng.normal(size=(T, D)).astype(np.float32),
+        }
+        for _ in range(UPDATES)
+    ]
+    return params, batches, optax.adam(1e-2)
+
+
+def vmsize() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main(margin_mb: int, out: str) -> None:
+    import jax_adaptive as ja
+
+    params, batches, optimizer = make_problem()
+    trainer = ja.AdaptiveTrainer(loss_fn, optimizer, target_batch_size=T)
+    state = trainer.init(params, batches[0])
+    planned = trainer.micro_batch_size  # a CPU gives no capacity: the estimate says T fits
+    gc.collect()
+    resource.setrlimit(resource.RLIMIT_AS, (vmsize() + margin_mb * 2**20, resource.RLIM_INFINITY))
+    sizes = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        sizes.append(metrics["micro_batch_size"])
+    np.savez(out, **{k: np.asarray(v) for k, v in state.params.items()})
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "planned": planned,
+                "sizes": sizes,
+                "log": [[t.size, t.fits, t.decided_by, t.reason] for t in trainer.search_log],
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
