@@ -53,3 +53,12 @@ def full_batch_reference(loss_fn, optimizer, params, batches, rng=None):
 
 def assert_trees_close(a, b, tol):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=tol), a, b)
+
+
+def vmsize() -> int:
+    """The process's address space in bytes (the base of an RLIMIT_AS limit)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")

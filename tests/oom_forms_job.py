@@ -17,16 +17,9 @@ import resource
 
 import jax
 import jax.numpy as jnp
+from helpers import vmsize
 
 MB = 2**20
-
-
-def vmsize() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize")
 
 
 def report(form, fn):

@@ -22,6 +22,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import vmsize
 
 T, D, UPDATES = 256, 65536, 2
 
@@ -42,14 +43,6 @@ def make_problem():
         for _ in range(UPDATES)
     ]
     return params, batches, optax.adam(1e-2)
-
-
-def vmsize() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main(margin_mb: int, out: str) -> None:
