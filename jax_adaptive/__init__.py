@@ -14,7 +14,7 @@ from jax_adaptive.data import (
     micro_batches,
     synthetic_images,
 )
-from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
+from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import HostOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
@@ -28,6 +28,7 @@ from jax_adaptive.trainer import (
 __all__ = [
     "AdaptiveTrainer",
     "HostOutOfMemory",
+    "MemoryModel",
     "MicroBatch",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",

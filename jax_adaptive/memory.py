@@ -4,15 +4,23 @@ The estimate is read from XLA's own buffer assignment (``compiled.memory_analysi
 which needs nothing allocated: a program lowered from ``jax.ShapeDtypeStruct``s is
 enough. It counts what the program holds at once: its arguments, its outputs (less the
 ones aliased to donated arguments), its temporaries and its generated code.
+
+The memory model: a micro-step's peak grows close to linearly with its micro-batch
+size, so a line through the estimates of sizes already compiled predicts the largest
+size within a capacity. `MemoryModel` is that line; the trainer hands its guesses to
+`jax_adaptive.search_max_size`, whose bisection takes over wherever the line is off.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["device_capacity", "estimate_peak_bytes", "memory_report"]
+__all__ = ["MemoryModel", "device_capacity", "estimate_peak_bytes", "memory_report"]
 
 
 def memory_report(compiled: Any) -> dict[str, int]:
@@ -93,3 +101,98 @@ def device_capacity(device: jax.Device | None = None) -> int | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"])
+
+
+class MemoryModel:
+    """Predicts the largest size within a capacity from the peaks of sizes measured.
+
+    Between the largest measured size that fits and the smallest that does not, it
+    interpolates on the line through those two (the secant: exact when the peak is
+    linear there). From one side only, it extrapolates through that side's two
+    measurements nearest the capacity; from a single measurement, through the origin.
+
+    Args:
+        points: measured ``{size: peak bytes}``, e.g. estimates of compiled sizes.
+
+    Example:
+        >>> model = MemoryModel({64: 1_000 + 64 * 50, 256: 1_000 + 256 * 50})
+        >>> model.largest_within(10_000)  # 1_000 + 180 * 50 == 10_000
+        180
+        >>> model.propose(10_000)(180, None)  # 180 is known to fit: check its neighbour
+        181
+    """
+
+    def __init__(self, points: Mapping[int, int] | None = None):
+        self.points: dict[int, int] = dict(points or {})
+
+    def add(self, size: int, nbytes: int) -> None:
+        """Records a measured peak."""
+        self.points[int(size)] = int(nbytes)
+
+    def largest_within(self, capacity: int) -> int | None:
+        """The largest size the measurements predict within ``capacity``; None if none.
+
+        Args:
+            capacity: bytes.
+
+        Returns:
+            The predicted size (at least 0), or None when no measurement, or a line
+            that does not grow, gives no prediction.
+        """
+        if not self.points:
+            return None
+        below = sorted(s for s, b in self.points.items() if b <= capacity)
+        above = sorted(s for s, b in self.points.items() if b > capacity)
+        if below and above:
+            pair = [below[-1], above[0]]
+        elif len(self.points) >= 2:
+            pair = below[-2:] if below else above[:2]
+        else:
+            pair = [0, *self.points]
+        secant = self._root(pair, capacity)
+        # With a third measurement, a parabola through the three nearest the capacity
+        # follows a curving peak; it is trusted only where it agrees with the secant's
+        # side of the bracket.
+        rest = sorted(set(self.points) - set(pair), key=lambda s: abs(self.points[s] - capacity))
+        if secant is None or not rest or 0 in pair:
+            return None if secant is None else max(0, int(secant))
+        curve = self._root(sorted([*pair, rest[0]]), capacity)
+        lo, hi = (below[-1], above[0]) if below and above else (0, math.inf)
+        best = curve if curve is not None and lo <= curve <= hi else secant
+        return max(0, int(best))
+
+    def _root(self, sizes: list[int], capacity: int) -> float | None:
+        """Where the polynomial through ``sizes``' points (2 or 3) meets ``capacity``."""
+        if len(sizes) == 2:
+            (s0, s1), (b0, b1) = sizes, [self.points.get(s, 0) for s in sizes]
+            slope = (b1 - b0) / (s1 - s0)
+            return None if slope <= 0 else s0 + (capacity - b0) / slope
+        xs = np.array(sizes, dtype=np.float64)
+        ys = np.array([self.points.get(s, 0) for s in sizes], dtype=np.float64)
+        coeffs = np.polyfit(xs, ys - capacity, len(sizes) - 1)
+        roots = [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-9]
+        # The root where the polynomial rises, nearest the measurements.
+        rising = [r for r in roots if np.polyval(np.polyder(coeffs), r) > 0]
+        if not rising:
+            return None
+        return min(rising, key=lambda r: abs(r - xs.mean()))
+
+    def propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
+        """A ``propose(good, bad)`` for `jax_adaptive.search_max_size` under ``capacity``.
+
+        The guess is kept strictly inside the bracket: a prediction at or below the
+        largest size known to fit becomes that size's neighbour (the check that it is
+        the largest), one at or above the smallest known not to fit becomes the size
+        just below that.
+        """
+
+        def propose(good: int | None, bad: int | None) -> int | None:
+            guess = self.largest_within(capacity)
+            if guess is None:
+                return None
+            guess = max(guess, (good or 0) + 1)
+            if bad is not None:
+                guess = min(guess, bad - 1)
+            return guess
+
+        return propose

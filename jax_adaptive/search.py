@@ -70,8 +70,8 @@ def search_max_size(
     known not to is narrowed. Without ``propose`` this is bisection: at most
     ``ceil(log2(n)) + 1`` calls for ``n`` candidates. With ``propose(good, bad)``, a
     guess strictly inside the bracket, a good guesser finishes in two or three calls;
-    a guess that does not halve the bracket is followed by a bisection step, so a bad
-    guesser costs at most ``2 * ceil(log2(n)) + 2`` calls.
+    guesses are taken only while bisection could still finish within
+    ``2 * ceil(log2(n + 1)) + 2`` calls, so a bad guesser costs at most that.
 
     Args:
         fits: the oracle, monotone in the size.
@@ -127,12 +127,13 @@ def search_max_size(
         return k if good < k < bad else None
 
     # Invariant: every k <= good fits (good = first - 1: none known), every k >= bad does
-    # not (bad = last + 1: none known).
+    # not (bad = last + 1: none known). A guess is taken only while the calls left in
+    # the budget could still finish by bisection if it narrowed the bracket by one.
+    budget = 2 * (last - first + 1).bit_length() + 2
     good, bad = first - 1, last + 1
-    guided = True
     while bad - good > 1:
-        k = proposal(good, bad) if guided else None
-        width = bad - good
+        affordable = len(trials) + 1 + (bad - good - 2).bit_length() <= budget
+        k = proposal(good, bad) if affordable else None
         if k is None:
             # With no guess, try the largest candidate first, then bisect.
             k = last if bad == last + 1 and good == first - 1 else (good + bad) // 2
@@ -140,8 +141,6 @@ def search_max_size(
             good = k
         else:
             bad = k
-        # A guess that did not halve the bracket hands the next step to bisection.
-        guided = (bad - good) * 2 <= width or not guided
     if good < first:
         raise NothingFitsError(first * multiple_of, trials)
     return SearchResult(good * multiple_of, trials)

@@ -27,8 +27,7 @@ class FaultInjector:
 
     Args:
         executions: 1-based numbers of the micro-step executions to fail, counted
-            across the trainer's life from when the injector is installed (trial runs
-            of the search count too).
+            across the trainer's life from when the injector is installed.
         compile_sizes: micro-batch sizes whose compile always fails.
         delete_donated: delete the donated inputs before raising, as a real failed run
             does (DESIGN.md); False mimics an error raised at dispatch on a GPU.

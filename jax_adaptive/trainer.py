@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from jax_adaptive.data import Rebatcher, leading_size, micro_batches
-from jax_adaptive.memory import device_capacity, estimate_peak_bytes, memory_report
+from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import (
@@ -61,8 +61,9 @@ class SizeTrial(NamedTuple):
         seconds: what deciding cost (compile, run).
         decided_by: ``"estimate"`` (a fresh compile's estimate against the capacity),
             ``"cache"`` (the estimate of an executable compiled before), ``"compile"``
-            (compiling ran out of memory), ``"run"`` (a real run: it ran, or it ran out
-            of memory), ``"learned"`` (not larger than a size that ran out of memory).
+            (compiling ran out of memory), ``"run"`` (a real run ran out of memory),
+            ``"learned"`` (the estimate is above the capacity learned from real
+            out-of-memory errors).
         reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
     """
 
@@ -210,6 +211,7 @@ class AdaptiveTrainer:
         headroom: float = 0.05,
         grow: GrowPolicy = "on_limit_change",
         oom_retries: int = 3,
+        multiple_of: int = 1,
         device: jax.Device | None = None,
     ):
         if not callable(loss_fn):
@@ -231,6 +233,11 @@ class AdaptiveTrainer:
             raise ValueError(f"{headroom=} must be in [0, 1).")
         if not (grow in ("never", "on_limit_change") or (isinstance(grow, int) and grow > 0)):
             raise ValueError(f"{grow=} must be 'never', 'on_limit_change' or a positive int.")
+        self.multiple_of = _positive_int("multiple_of", multiple_of)
+        if multiple_of > self.target_batch_size:
+            raise ValueError(
+                f"{multiple_of=} must not exceed target_batch_size={self.target_batch_size}."
+            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.has_aux = has_aux
@@ -255,6 +262,8 @@ class AdaptiveTrainer:
             donate_argnums=(2, 4),
         )
         self._executables: dict[int, _Executable] = {}
+        self._compiles = 0
+        self.memory_model = MemoryModel()  # the estimate of every size compiled
         self._lowerings: dict[int, Any] = {}
         self._optimizer_steps: dict[bool, _Executable] = {}
         self._optimizer_step_ran: set[bool] = set()
@@ -262,7 +271,8 @@ class AdaptiveTrainer:
         self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
         self._size: int | None = None
         self._ran: set[int] = set()
-        self._real_oom_bytes: int | None = None  # smallest estimate that really failed
+        self._learned_cap: int | None = None  # below the estimates that really failed
+        self._real_ooms_this_update = 0
         self._limit_raised = False
         self._updates_since_grow = 0
 
@@ -281,8 +291,8 @@ class AdaptiveTrainer:
 
     @property
     def compiles(self) -> int:
-        """How many micro-batch sizes have been compiled."""
-        return len(self._executables)
+        """How many times the micro-step has been compiled (once per size tried)."""
+        return self._compiles
 
     def init(
         self,
@@ -382,7 +392,8 @@ class AdaptiveTrainer:
         """
         self._require_init()
         self._check_batch(batch)
-        self._maybe_grow(state, batch)
+        self._maybe_grow()
+        self._real_ooms_this_update = 0
         progress = self._fresh_progress(state)
         failed = False
         while True:
@@ -393,7 +404,7 @@ class AdaptiveTrainer:
             except Exception as exc:
                 if self._fixed is not None or not is_oom(exc):
                     raise
-                self._recover(exc, size, state, batch)
+                self._recover(exc, size)
                 # Go on from the micro-step that failed when what came before survived;
                 # else start the update again from the state, which nothing donated.
                 progress = self._salvage(progress) or self._fresh_progress(state)
@@ -546,9 +557,11 @@ class AdaptiveTrainer:
             compiled = self._lowered(size).compile()
             del self._lowerings[size]
             seconds = time.perf_counter() - start
+            self._compiles += 1
             self._executables[size] = _Executable(
                 compiled, estimate_peak_bytes(compiled), memory_report(compiled), seconds
             )
+            self.memory_model.add(size, self._executables[size].estimate)
         return self._executables[size]
 
     def _lowered(self, size: int) -> Any:
@@ -628,8 +641,16 @@ class AdaptiveTrainer:
         if capacity is not None and needed > capacity:
             raise SimulatedOutOfMemory(needed, capacity, what=f"micro-step of {size}")
 
-    def _search(self, *, hi: int, reason: str, lo: int = 1, trial: Any = None) -> int:
-        """The largest size in [lo, hi] that fits; a real run decides each one if ``trial``."""
+    def _search(self, *, hi: int, reason: str, lo: int = 1) -> int:
+        """The largest size in [lo, hi] whose estimate fits, guided by the memory model.
+
+        Sizes are multiples of ``multiple_of`` unless none fits (then any size). The
+        capacity learned from real out-of-memory errors guides the search here, but
+        never makes a run fail: only a real run says a size does not fit.
+        """
+        learned = self._learned_cap
+        caps = [c for c in (self.capacity(), learned) if c is not None]
+        capacity = min(caps) if caps else None
 
         def fits(size: int) -> bool:
             start = time.perf_counter()
@@ -640,13 +661,10 @@ class AdaptiveTrainer:
             try:
                 estimate = self._executable(size).estimate
                 decided = "cache" if cached else "estimate"
-                if self._real_oom_bytes is not None and estimate >= self._real_oom_bytes:
-                    decided = "learned"
-                    raise SimulatedOutOfMemory(estimate, self._real_oom_bytes, "micro-step")
                 self._check_capacity(size)
-                if trial is not None:
-                    decided = "run"
-                    self._trial_run(size, *trial)
+                if learned is not None and estimate > learned:
+                    decided = "learned"
+                    raise SimulatedOutOfMemory(estimate, learned, f"micro-step of {size}")
                 ok = True
             except Exception as exc:
                 if not is_oom(exc):
@@ -663,12 +681,20 @@ class AdaptiveTrainer:
             )
             return ok
 
+        propose = self.memory_model.propose(capacity) if capacity is not None else None
+        multiple = self.multiple_of if hi // self.multiple_of * self.multiple_of >= lo else 1
         try:
-            return search_max_size(fits, lo=lo, hi=hi).size
+            try:
+                return search_max_size(
+                    fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose
+                ).size
+            except NothingFitsError:
+                if multiple == 1 or lo >= multiple:
+                    raise
+                return search_max_size(fits, lo=lo, hi=multiple - 1, propose=propose).size
         except NothingFitsError as exc:
             smallest = self._executables.get(exc.smallest)
             needed = f"{smallest.estimate:,}" if smallest else "?"
-            capacity = self.capacity()
             available = f"{capacity:,}" if capacity is not None else "what the device had"
             raise NothingFitsError(
                 exc.smallest,
@@ -676,28 +702,6 @@ class AdaptiveTrainer:
                 detail=f"a micro-step of {exc.smallest} needs {needed} bytes (estimate) "
                 f"and {available} bytes are available",
             ) from None
-
-    def _trial_run(self, size: int, state: TrainState, batch: Batch) -> None:
-        """Runs one micro-step of ``size`` on a fresh accumulator and throws it away.
-
-        It runs the update's last micro-batch: when padded, it is a copy, the most a
-        micro-step of this size holds (on a CPU, host copies share the device's memory).
-        """
-        last = (self.target_batch_size - 1) // size * size
-        micro = next(micro_batches(batch, size, start=last))
-        args = (
-            state.params,
-            state.opt_state._replace(acc_grads=None),
-            self._zeros(self._state_structs.opt_state.acc_grads),
-            state.model_state,
-            self._zeros(self._totals_struct),
-            micro.batch,
-            micro.mask,
-            state.rng,
-            np.int32(0),
-            np.int32(2),
-        )
-        jax.block_until_ready(self._run_micro_step(size, args))
 
     def _zeros(self, structs: Any) -> Any:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.device), structs)
@@ -820,8 +824,14 @@ class AdaptiveTrainer:
         )
         return OptimizerStepOutOfMemory(restored)
 
-    def _recover(self, exc: BaseException, size: int, state: TrainState, batch: Batch) -> None:
-        """Marks ``size`` as not fitting and picks the next size (a smaller one)."""
+    def _recover(self, exc: BaseException, size: int) -> None:
+        """Marks ``size`` as not fitting and picks the next size (a smaller one).
+
+        A real out-of-memory says the estimate was too optimistic here: the capacity
+        becomes the failed size's estimate less ``headroom`` the first time in an
+        update, and half of it each further time (the estimate is then no guide), so
+        a few compiles reach a size that runs; the memory model picks each size.
+        """
         real = not isinstance(exc, SimulatedOutOfMemory)
         estimate = self._executable(size).estimate
         self.search_log.append(
@@ -830,7 +840,14 @@ class AdaptiveTrainer:
         log.warning("micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated")
         self._oom_streak += 1
         if real:
-            self._real_oom_bytes = min(estimate, self._real_oom_bytes or estimate)
+            self._real_ooms_this_update += 1
+            first = self._real_ooms_this_update == 1
+            cap = (
+                min(int(estimate * (1.0 - self.headroom)), estimate - 1) if first else estimate // 2
+            )
+            self._learned_cap = min(cap, self._learned_cap or cap)
+            # The failed size is not tried again before memory comes back: free its code.
+            self._executables.pop(size, None)
         try:
             if size == 1:
                 capacity = self.capacity()
@@ -840,11 +857,7 @@ class AdaptiveTrainer:
                     detail=f"a micro-step of 1 needs {estimate:,} bytes (estimate) and "
                     f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
                 ) from exc
-            self._size = self._search(
-                hi=size - 1,
-                reason=f"out of memory at size {size}",
-                trial=(state, batch) if self._real_oom_bytes is not None else None,
-            )
+            self._size = self._search(hi=size - 1, reason=f"out of memory at size {size}")
         except NothingFitsError:
             # A real out-of-memory can pass (fragmentation, another job's peak): retry the
             # smallest size a few times in a row before giving up.
@@ -852,7 +865,7 @@ class AdaptiveTrainer:
                 raise
             self._size = 1
 
-    def _maybe_grow(self, state: TrainState, batch: Batch) -> None:
+    def _maybe_grow(self) -> None:
         if self._fixed is not None or self._size == self.target_batch_size:
             return
         periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
@@ -862,11 +875,8 @@ class AdaptiveTrainer:
         self._limit_raised = False
         self._updates_since_grow = 0
         if periodic:
-            self._real_oom_bytes = None  # memory may have come back: let real runs decide
-        trial = (state, batch) if periodic or self._real_oom_bytes is not None else None
+            self._learned_cap = None  # memory may have come back: let real runs decide
         try:
-            self._size = self._search(
-                lo=self._size, hi=self.target_batch_size, reason="grow", trial=trial
-            )
+            self._size = self._search(lo=self._size, hi=self.target_batch_size, reason="grow")
         except NothingFitsError:
             pass  # not even the current size fits now: the step's recovery shrinks it

@@ -204,17 +204,39 @@ def test_a_compile_oom_marks_the_size_as_not_fitting():
     assert trainer.search_log[0].decided_by == "compile"
 
 
-@pytest.mark.parametrize(("grow", "expected"), [("never", [T - 1] * 3), (2, [T - 1, T - 1, T])])
-def test_grow_policies(grow, expected):
+def _estimate(trainer, size):
+    return ja.estimate_peak_bytes(trainer.compile(size))
+
+
+@pytest.mark.parametrize("grow", ["never", 2])
+def test_a_real_oom_shrinks_to_the_headroom_below_its_estimate_and_grow_policies(grow):
+    """After a real OOM at T, the size is the largest whose estimate is within
+    (1 - headroom) of T's estimate; ``grow=2`` tries T again two updates later."""
     batches = regression_batches(3, T)
     trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, grow=grow)
     state = trainer.init(mlp_params(), batches[0])
+    cap = _estimate(trainer, T) * (1 - trainer.headroom)
     sizes = []
     with inject_oom(trainer, executions={1}):
         for batch in batches:
             state, metrics = trainer.step(state, batch)
             sizes.append(metrics["micro_batch_size"])
-    assert sizes == expected
+    shrunk = sizes[0]
+    assert _estimate(trainer, shrunk) <= cap < _estimate(trainer, shrunk + 1)
+    assert sizes == ([shrunk] * 3 if grow == "never" else [shrunk, shrunk, T])
+
+
+def test_repeated_real_ooms_in_one_update_halve_the_learned_capacity():
+    batches = regression_batches(1, T)
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, grow="never")
+    state = trainer.init(mlp_params(), batches[0])
+    with inject_oom(trainer, executions={1, 2}):
+        _, metrics = trainer.step(state, batches[0])
+    failed = [t for t in trainer.search_log if t.decided_by == "run"]
+    assert failed[0].size == T and len(failed) == 2
+    size = metrics["micro_batch_size"]
+    cap = failed[1].estimated_bytes // 2
+    assert _estimate(trainer, size) <= cap < _estimate(trainer, size + 1)
 
 
 def test_other_errors_at_run_time_propagate_unchanged():
