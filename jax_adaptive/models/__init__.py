@@ -1,7 +1,36 @@
-"""A small Flax model zoo and the adapters that turn a model into a per-example loss."""
+"""A small Flax model zoo and the adapters that turn a model into a per-example loss.
 
-from jax_adaptive.models.adapters import linen_classifier_loss
+``ResNetTiny`` and ``ViTMicro`` are sized for CPU tests and benchmarks; ``ResNet18``,
+``ResNet50``, ``ViTTiny`` and the default ``GPT`` (GPT-2 small) are the standard sizes.
+"""
+
+from jax_adaptive.models.adapters import (
+    gpt_token_loss,
+    linen_classifier_loss,
+    nnx_classifier_loss,
+)
 from jax_adaptive.models.cnn import CNN
+from jax_adaptive.models.gpt import GPT
 from jax_adaptive.models.mlp import MLP
+from jax_adaptive.models.resnet import ResNet, ResNet18, ResNet50, ResNetBlock, ResNetTiny
+from jax_adaptive.models.transformer import Transformer, TransformerBlock
+from jax_adaptive.models.vit import ViT, ViTMicro, ViTTiny
 
-__all__ = ["CNN", "MLP", "linen_classifier_loss"]
+__all__ = [
+    "CNN",
+    "GPT",
+    "MLP",
+    "ResNet",
+    "ResNet18",
+    "ResNet50",
+    "ResNetBlock",
+    "ResNetTiny",
+    "Transformer",
+    "TransformerBlock",
+    "ViT",
+    "ViTMicro",
+    "ViTTiny",
+    "gpt_token_loss",
+    "linen_classifier_loss",
+    "nnx_classifier_loss",
+]
