@@ -16,6 +16,7 @@ from jax_adaptive.data import (
 )
 from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import HostOutOfMemory, SimulatedOutOfMemory, is_oom
+from jax_adaptive.plan_cache import PlanCache, enable_compilation_cache, plan_key
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
 from jax_adaptive.trainer import (
@@ -32,6 +33,7 @@ __all__ = [
     "MicroBatch",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",
+    "PlanCache",
     "Rebatcher",
     "SearchResult",
     "SearchTrial",
@@ -40,6 +42,7 @@ __all__ = [
     "StateLostError",
     "TrainState",
     "device_capacity",
+    "enable_compilation_cache",
     "estimate_peak_bytes",
     "is_oom",
     "leading_size",
@@ -48,6 +51,7 @@ __all__ = [
     "memory_report",
     "micro_batches",
     "multi_steps",
+    "plan_key",
     "search_max_size",
     "synthetic_images",
     "testing",

@@ -16,9 +16,12 @@ The host loop kept apart from the jitted pieces of `jax_adaptive.step`:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
+import os
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple
@@ -31,6 +34,7 @@ import optax
 from jax_adaptive.data import Rebatcher, leading_size, micro_batches
 from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
 from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
+from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import (
     Batch,
@@ -46,7 +50,7 @@ __all__ = ["AdaptiveTrainer", "OptimizerStepOutOfMemory", "SizeTrial", "StateLos
 
 log = logging.getLogger("jax_adaptive")
 
-DecidedBy = Literal["estimate", "cache", "compile", "run", "learned"]
+DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
 GrowPolicy = Literal["never", "on_limit_change"] | int
 
 
@@ -63,7 +67,8 @@ class SizeTrial(NamedTuple):
             ``"cache"`` (the estimate of an executable compiled before), ``"compile"``
             (compiling ran out of memory), ``"run"`` (a real run ran out of memory),
             ``"learned"`` (the estimate is above the capacity learned from real
-            out-of-memory errors).
+            out-of-memory errors), ``"plan cache"`` (a plan a run of the same job
+            stored; its first run is still guarded).
         reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
     """
 
@@ -182,6 +187,12 @@ class AdaptiveTrainer:
         oom_retries: how many real out-of-memory errors in a row, with no micro-step
             running in between, are retried at micro-batch 1 before the trainer gives
             up (a transient peak of another job should not end a run).
+        multiple_of: search only multiples of this (8 suits GPUs' tensor cores); a
+            smaller size only when no multiple fits.
+        plan_cache: where ``"auto"`` remembers the size it found, so that a second run
+            of the same job compiles no search candidates: None for the default file
+            (`jax_adaptive.PlanCache`; ``JAX_ADAPTIVE_PLAN_CACHE=off`` turns it off),
+            False for none, a path, or a `jax_adaptive.PlanCache`.
         device: the device to train on (the first local device by default).
 
     Example:
@@ -212,6 +223,7 @@ class AdaptiveTrainer:
         grow: GrowPolicy = "on_limit_change",
         oom_retries: int = 3,
         multiple_of: int = 1,
+        plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
         device: jax.Device | None = None,
     ):
         if not callable(loss_fn):
@@ -246,6 +258,8 @@ class AdaptiveTrainer:
         self.grow = grow
         self.oom_retries = oom_retries
         self.device = device or jax.local_devices()[0]
+        self.plan_cache = PlanCache.from_arg(plan_cache)
+        self._plan_key: str | None = None
         self._fixed = None if micro_batch_size == "auto" else micro_batch_size
         self.memory_limit = None if memory_limit is None else self._check_limit(memory_limit)
         self.trace_counts: Counter[int] = Counter()
@@ -330,7 +344,7 @@ class AdaptiveTrainer:
         self._state_structs = jax.tree.map(_struct, state)
         self._totals_struct = self._totals_for(state)
         self._optimizer_step()  # compiles it, and checks that the state itself fits
-        self._size = self._fixed or self._search(hi=self.target_batch_size, reason="init")
+        self._size = self._fixed or self._cached_plan() or self._search_and_store()
         if self._fixed:
             self.compile(self._fixed)
         return state
@@ -641,6 +655,69 @@ class AdaptiveTrainer:
         if capacity is not None and needed > capacity:
             raise SimulatedOutOfMemory(needed, capacity, what=f"micro-step of {size}")
 
+    def _key(self) -> str:
+        """The plan cache's key: what decides the plan (see `jax_adaptive.plan_cache`)."""
+        if self._plan_key is None:
+            fingerprint = hashlib.sha256(self._lowered(1).as_text().encode()).hexdigest()
+            self._plan_key = plan_key(
+                platform=self.device.platform,
+                device_kind=self.device.device_kind,
+                device_capacity=device_capacity(self.device),
+                memory_limit=self.memory_limit,
+                headroom=self.headroom,
+                multiple_of=self.multiple_of,
+                target_batch_size=self.target_batch_size,
+                example=str(self._example),
+                micro_step=fingerprint,
+                jax=jax.__version__,
+            )
+        return self._plan_key
+
+    def _cached_plan(self) -> int | None:
+        """The size a run of the same job stored, if it makes sense; else None."""
+        if self.plan_cache is None:
+            return None
+        start = time.perf_counter()
+        entry = self.plan_cache.get(self._key())
+        if entry is None:
+            return None
+        size = entry.get("micro_batch_size")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not 1 <= size <= self.target_batch_size
+        ):
+            warnings.warn(
+                f"ignoring a stale plan in {self.plan_cache.path}: micro_batch_size={size!r} "
+                f"is not in [1, {self.target_batch_size}]",
+                stacklevel=3,
+            )
+            return None
+        self.search_log.append(
+            SizeTrial(size, True, entry.get("estimated_bytes"), time.perf_counter() - start,
+                      "plan cache", "init")
+        )  # fmt: skip
+        return size
+
+    def _search_and_store(self) -> int:
+        self._size = self._search(hi=self.target_batch_size, reason="init")
+        self._store_plan()
+        return self._size
+
+    def _store_plan(self) -> None:
+        if self.plan_cache is None:
+            return
+        estimate = self._executables.get(self._size)
+        self.plan_cache.put(
+            self._key(),
+            {
+                "micro_batch_size": self._size,
+                "estimated_bytes": estimate.estimate if estimate else None,
+                "target_batch_size": self.target_batch_size,
+                "capacity": self.capacity(),
+            },
+        )
+
     def _search(self, *, hi: int, reason: str, lo: int = 1) -> int:
         """The largest size in [lo, hi] whose estimate fits, guided by the memory model.
 
@@ -858,6 +935,7 @@ class AdaptiveTrainer:
                     f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
                 ) from exc
             self._size = self._search(hi=size - 1, reason=f"out of memory at size {size}")
+            self._store_plan()
         except NothingFitsError:
             # A real out-of-memory can pass (fragmentation, another job's peak): retry the
             # smallest size a few times in a row before giving up.

@@ -1,0 +1,142 @@
+"""A persistent plan cache: the micro-batch size a job found, remembered across runs.
+
+A plan is keyed by everything that decides it: the device's kind and capacity, the
+memory limit and headroom, a fingerprint of the lowered micro-step (the model, the
+loss, the optimizer, the shapes and dtypes of the state and of one example), the target
+batch size and the JAX version. A second run of the same job then does no search
+compiles. An entry is a hint, never trusted blindly: the trainer's first run of a
+cached size is guarded by its out-of-memory recovery like any new size, and a corrupt
+file or an entry that makes no sense is ignored with a warning.
+
+The file is JSON, by default ``$XDG_CACHE_HOME/jax_adaptive/plans.json`` (else
+``~/.cache/...``); the environment variable ``JAX_ADAPTIVE_PLAN_CACHE`` names another
+file, or turns the default cache off with ``off``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+
+__all__ = ["PlanCache", "enable_compilation_cache", "plan_key"]
+
+_ENV = "JAX_ADAPTIVE_PLAN_CACHE"
+
+
+def plan_key(**parts: Any) -> str:
+    """A stable hex digest of the named parts of a plan's key (JSON-serialisable values).
+
+    Example:
+        >>> plan_key(device="cpu", target=256) == plan_key(target=256, device="cpu")
+        True
+    """
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class PlanCache:
+    """Plans by key in one JSON file.
+
+    Args:
+        path: the file; None for the default (see the module docstring).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
+        >>> cache.put("k", {"micro_batch_size": 438})
+        >>> cache.get("k")["micro_batch_size"]
+        438
+        >>> cache.get("other") is None
+        True
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None):
+        self.path = Path(path) if path is not None else self.default_path()
+
+    @staticmethod
+    def default_path() -> Path:
+        """The default file: ``$JAX_ADAPTIVE_PLAN_CACHE``, else under the user's cache dir."""
+        named = os.environ.get(_ENV)
+        if named and named != "off":
+            return Path(named)
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "jax_adaptive" / "plans.json"
+
+    @classmethod
+    def from_arg(cls, arg: PlanCache | str | os.PathLike[str] | bool | None) -> PlanCache | None:
+        """The cache a trainer's ``plan_cache`` argument names, or None for none.
+
+        None means the default (off where ``JAX_ADAPTIVE_PLAN_CACHE=off``), False none,
+        a path that file, a `PlanCache` itself.
+        """
+        if isinstance(arg, PlanCache):
+            return arg
+        if arg is False:
+            return None
+        if arg is None or arg is True:
+            return None if os.environ.get(_ENV) == "off" else cls()
+        if isinstance(arg, str | os.PathLike):
+            return cls(arg)
+        raise TypeError(f"plan_cache must be a path, a PlanCache, True/False or None, got {arg!r}.")
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.exists():
+            return {}
+        try:
+            entries = json.loads(self.path.read_text())
+            if not isinstance(entries, dict):
+                raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
+            return entries
+        except (OSError, ValueError) as exc:
+            warnings.warn(
+                f"ignoring the plan cache {self.path}: it is unreadable ({exc}); "
+                "it will be rewritten",
+                stacklevel=3,
+            )
+            return {}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The plan stored under ``key``, or None."""
+        entry = self._read().get(key)
+        return entry if isinstance(entry, dict) else None
+
+    def put(self, key: str, plan: dict[str, Any]) -> None:
+        """Stores ``plan`` under ``key`` (atomically: a crash never leaves half a file)."""
+        entries = self._read()
+        entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plans-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path:
+    """Turns on JAX's persistent compilation cache, so a second run skips XLA compiles.
+
+    Args:
+        path: the directory; by default ``xla/`` beside the plan cache's file.
+
+    Returns:
+        The directory used.
+
+    Example:
+        >>> import tempfile
+        >>> enable_compilation_cache(tempfile.mkdtemp()).is_dir()
+        True
+        >>> jax.config.update("jax_compilation_cache_dir", None)  # off again
+    """
+    directory = Path(path) if path is not None else PlanCache.default_path().parent / "xla"
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory

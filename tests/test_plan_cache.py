@@ -1,0 +1,101 @@
+"""The plan cache: a second run of the same job searches nothing; bad entries are not trusted."""
+
+import json
+
+import optax
+import pytest
+from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
+from helpers import regression_batches as batches_of
+
+import jax_adaptive as ja
+
+T = 32
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """Brute force: the estimate of every size from its own compile (no cache)."""
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=1)
+    trainer.init(mlp_params(), batches_of(1, T)[0])
+    return {s: ja.estimate_peak_bytes(trainer.compile(s)) for s in range(1, T + 1)}
+
+
+def brute_force_max(estimates, limit):
+    return max(s for s, e in estimates.items() if e <= limit)
+
+
+def run(path, limit, optimizer=None, d_in=4, steps=2, loss=mlp_loss):
+    trainer = ja.AdaptiveTrainer(
+        loss,
+        optimizer or optax.adam(1e-2),
+        target_batch_size=T,
+        memory_limit=limit,
+        plan_cache=path,
+    )
+    batches = batches_of(steps, T, d_in=d_in)
+    state = trainer.init(mlp_params(d_in=d_in), batches[0])
+    search_compiles = trainer.compiles
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    return trainer, state, search_compiles
+
+
+def test_a_second_run_of_the_same_job_compiles_no_candidate(tmp_path, estimates):
+    limit = (estimates[23] + estimates[24]) // 2
+    first, _, first_compiles = run(tmp_path / "plans.json", limit)
+    second, state, second_compiles = run(tmp_path / "plans.json", limit)
+    assert first.micro_batch_size == second.micro_batch_size == brute_force_max(estimates, limit)
+    assert first_compiles >= 2 and second_compiles == 0
+    assert second.compiles == 1  # the cached size itself, at its first step
+    assert [t.decided_by for t in second.search_log] == ["plan cache"]
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches_of(2, T))
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_what_decides_the_plan_is_in_the_key(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    run(path, estimates[12])
+    for other in (
+        {"limit": estimates[28]},  # another capacity
+        {"limit": estimates[12], "d_in": 6},  # another model shape
+        {"limit": estimates[12], "loss": lambda p, b, r: mlp_loss(p, b, r) ** 2},  # another loss
+    ):
+        trainer, _, compiles = run(path, steps=1, **other)
+        assert compiles >= 1 and "plan cache" not in {t.decided_by for t in trainer.search_log}
+    assert len(json.loads(path.read_text())) == 4
+
+
+def test_a_corrupt_file_is_ignored_with_a_warning_and_rewritten(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        trainer, _, compiles = run(path, estimates[20], steps=1)
+    assert compiles >= 1 and trainer.micro_batch_size == 20
+    assert json.loads(path.read_text())  # valid again
+
+
+def test_a_stale_entry_is_ignored_or_corrected_by_the_guarded_first_run(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    limit = estimates[20]
+    run(path, limit, steps=1)
+    (key,) = json.loads(path.read_text())
+    for wrong, warns in ((T + 5, True), ("many", True), (30, False)):
+        ja.PlanCache(path).put(key, {"micro_batch_size": wrong})
+        if warns:
+            with pytest.warns(UserWarning, match="stale plan"):
+                trainer, state, _ = run(path, limit)
+        else:  # in range but too large now: the guarded first step shrinks it, exactly
+            trainer, state, _ = run(path, limit)
+            assert next(t.size for t in trainer.search_log if not t.fits) == 30
+        assert trainer.micro_batch_size == 20
+        reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches_of(2, T))
+        assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_off_means_off(tmp_path, monkeypatch):
+    assert ja.PlanCache.from_arg(False) is None
+    assert ja.PlanCache.from_arg(None) is None  # conftest: JAX_ADAPTIVE_PLAN_CACHE=off
+    monkeypatch.setenv("JAX_ADAPTIVE_PLAN_CACHE", str(tmp_path / "p.json"))
+    assert ja.PlanCache.from_arg(None).path == tmp_path / "p.json"
+    with pytest.raises(TypeError, match="plan_cache"):
+        ja.PlanCache.from_arg(3)
