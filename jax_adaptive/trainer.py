@@ -193,6 +193,10 @@ class AdaptiveTrainer:
             of the same job compiles no search candidates: None for the default file
             (`jax_adaptive.PlanCache`; ``JAX_ADAPTIVE_PLAN_CACHE=off`` turns it off),
             False for none, a path, or a `jax_adaptive.PlanCache`.
+        objective: ``"max"``, the largest micro-batch that fits, or ``"throughput"``:
+            the fastest update among the largest size and the sizes with the fewest
+            micro-steps and the least padding (``ceil(T / k)`` for the few smallest
+            ``k``), each timed for a few micro-steps at ``init`` (`throughput_log`).
         device: the device to train on (the first local device by default).
 
     Example:
@@ -224,6 +228,7 @@ class AdaptiveTrainer:
         oom_retries: int = 3,
         multiple_of: int = 1,
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
+        objective: Literal["max", "throughput"] = "max",
         device: jax.Device | None = None,
     ):
         if not callable(loss_fn):
@@ -259,6 +264,10 @@ class AdaptiveTrainer:
         self.oom_retries = oom_retries
         self.device = device or jax.local_devices()[0]
         self.plan_cache = PlanCache.from_arg(plan_cache)
+        if objective not in ("max", "throughput"):
+            raise ValueError(f"{objective=} must be 'max' or 'throughput'.")
+        self.objective = objective
+        self.throughput_log: list[dict[str, float]] = []
         self._plan_key: str | None = None
         self._fixed = None if micro_batch_size == "auto" else micro_batch_size
         self.memory_limit = None if memory_limit is None else self._check_limit(memory_limit)
@@ -344,7 +353,7 @@ class AdaptiveTrainer:
         self._state_structs = jax.tree.map(_struct, state)
         self._totals_struct = self._totals_for(state)
         self._optimizer_step()  # compiles it, and checks that the state itself fits
-        self._size = self._fixed or self._cached_plan() or self._search_and_store()
+        self._size = self._fixed or self._cached_plan() or self._search_and_store(state)
         if self._fixed:
             self.compile(self._fixed)
         return state
@@ -699,10 +708,62 @@ class AdaptiveTrainer:
         )  # fmt: skip
         return size
 
-    def _search_and_store(self) -> int:
+    def _search_and_store(self, state: TrainState) -> int:
         self._size = self._search(hi=self.target_batch_size, reason="init")
+        if self.objective == "throughput":
+            self._size = self._fastest(state, self._size)
         self._store_plan()
         return self._size
+
+    def _fastest(self, state: TrainState, largest: int, reps: int = 3) -> int:
+        """The candidate at or below ``largest`` whose update is fastest, timed on zeros.
+
+        Candidates: ``largest`` and ``ceil(T / k)`` for the three smallest ``k`` it
+        allows (the same micro-steps with less padding, or one or two more).
+        """
+        T = self.target_batch_size
+        k = math.ceil(T / largest)
+        candidates = sorted({largest, *(math.ceil(T / j) for j in range(k, k + 3))}, reverse=True)
+        timings = {}
+        for size in candidates:
+            if not self._fits_known(size):
+                continue
+            compiled = self._executable(size).compiled
+            structs = self._micro_structs(size)
+            seconds = []
+            for _ in range(reps + 1):  # the first run warms up
+                args = (
+                    state.params, state.opt_state._replace(acc_grads=None),
+                    self._zeros(structs[2]), state.model_state, self._zeros(structs[4]),
+                    self._zeros(structs[5]), jnp.ones(size, bool), state.rng,
+                    np.int32(0), np.int32(2),
+                )  # fmt: skip
+                start = time.perf_counter()
+                try:
+                    jax.block_until_ready(compiled(*args))
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    break  # a real out-of-memory: not a candidate
+                seconds.append(time.perf_counter() - start)
+            if len(seconds) <= reps:
+                continue
+            timings[size] = min(seconds[1:]) * math.ceil(T / size)
+            self.throughput_log.append(
+                {
+                    "size": size,
+                    "seconds_per_update": timings[size],
+                    "examples_per_second": T / timings[size],
+                }
+            )
+        return min(timings, key=timings.get)
+
+    def _fits_known(self, size: int) -> bool:
+        """Whether ``size``'s estimate fits the capacity (compiling it if need be)."""
+        capacity = min(
+            [c for c in (self.capacity(), self._learned_cap) if c is not None], default=None
+        )
+        return capacity is None or self._executable(size).estimate <= capacity
 
     def _store_plan(self) -> None:
         if self.plan_cache is None:

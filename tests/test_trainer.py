@@ -295,3 +295,19 @@ def test_use_before_init():
         trainer.compile(4)
     with pytest.raises(RuntimeError, match="init"):
         _ = trainer.micro_batch_size
+
+
+def test_the_throughput_objective_times_the_candidates_and_stays_exact(estimates):
+    limit = estimates[5]  # largest 5: k = 3 micro-steps; ceil(12/3)=4, ceil(12/4)=3, ceil(12/5)=3
+    batches = regression_batches(2, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit, objective="throughput"
+    )
+    state, _ = train(trainer, mlp_params(), batches)
+    timed = {entry["size"]: entry["seconds_per_update"] for entry in trainer.throughput_log}
+    assert set(timed) == {5, 4, 3}
+    assert trainer.micro_batch_size == min(timed, key=timed.get)
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+    with pytest.raises(ValueError, match="objective"):
+        ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, objective="fast")
