@@ -20,6 +20,7 @@ import optax
 
 from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import CNN, linen_classifier_loss
+from jax_adaptive.plan_cache import enable_compilation_cache
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]
@@ -59,6 +60,9 @@ class TrainConfig:
     learning_rate: float = 3e-3
     updates: int = 20
     seed: int = 0
+    objective: str = "max"
+    plan_cache: str | bool | None = None  # None: the default file; False: none
+    compilation_cache: str | None = None
 
 
 def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
@@ -74,6 +78,8 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         (8, 2)
     """
     out = out or sys.stdout
+    if config.compilation_cache is not None:
+        enable_compilation_cache(config.compilation_cache)
     model = CNN(num_classes=10)
     trainer = AdaptiveTrainer(
         linen_classifier_loss(model),
@@ -82,16 +88,20 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         micro_batch_size=config.micro_batch_size,
         memory_limit=config.memory_limit,
         has_aux=True,
+        objective=config.objective,
+        plan_cache=config.plan_cache,
     )
     example = synthetic_images(config.target_batch_size, seed=config.seed)
     params = model.init(jax.random.key(config.seed), jnp.asarray(example["image"][:1]))["params"]
     start = time.perf_counter()
     state = trainer.init(params, example, rng=jax.random.key(config.seed))
     search_seconds = time.perf_counter() - start
+    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
     print(
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {config.target_batch_size}; "
-        f"{trainer.compiles} sizes compiled in {search_seconds:.1f}s",
+        f"{trainer.compiles} sizes compiled in {search_seconds:.1f}s"
+        + (" (from the plan cache)" if cached else ""),
         file=out,
     )
     losses = []
@@ -109,6 +119,7 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         "accumulation_steps": trainer.accumulation_steps,
         "compiles": trainer.compiles,
         "search_seconds": search_seconds,
+        "from_plan_cache": cached,
         "losses": losses,
     }
 
@@ -158,6 +169,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's rate")
     parser.add_argument("--updates", type=int, default=20, help="optimizer updates to run")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, init and dropout")
+    parser.add_argument(
+        "--objective",
+        choices=["max", "throughput"],
+        default="max",
+        help="'max': the largest micro-batch that fits; 'throughput': the fastest update "
+        "among the largest and the least-padded sizes (each timed briefly)",
+    )
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--plan-cache",
+        metavar="FILE",
+        default=None,
+        help="JSON file remembering the plan found, so a second run compiles no search "
+        "candidates (default: ~/.cache/jax_adaptive/plans.json, or $JAX_ADAPTIVE_PLAN_CACHE)",
+    )
+    cache.add_argument(
+        "--no-plan-cache",
+        dest="plan_cache",
+        action="store_false",
+        help="search afresh and store nothing",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="turn on JAX's persistent compilation cache in DIR (second runs skip XLA compiles)",
+    )
     args = parser.parse_args(argv)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:

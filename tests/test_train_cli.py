@@ -45,3 +45,15 @@ def test_bad_flags_give_one_line_errors(capsys):
     assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
     assert main(["--target-batch-size", "0"]) == 2
     assert "target_batch_size=0 must be positive" in capsys.readouterr().err
+
+
+def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
+    flags = ["--target-batch-size", "512", "--memory-limit", "8MB", "--updates", "1"]
+    flags += ["--plan-cache", str(tmp_path / "plans.json")]
+    plans = []
+    for _ in range(2):
+        assert main(flags) == 0
+        plans.append(capsys.readouterr().out.splitlines()[0])
+    assert "from the plan cache" not in plans[0] and not plans[0].split("; ")[1].startswith("0 ")
+    assert plans[1].startswith(plans[0].split(";")[0])  # the same micro-batch and steps
+    assert "; 0 sizes compiled" in plans[1] and plans[1].endswith("(from the plan cache)")
