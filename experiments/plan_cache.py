@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from common import write_result
 
 JOB = """
 import json, sys
@@ -73,8 +74,7 @@ def main() -> None:
         "runs": runs,
         "init_seconds_ratio_second_over_first": second["search_seconds"] / first["search_seconds"],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"init time, second run / first: {result['init_seconds_ratio_second_over_first']:.2f}")
 
 

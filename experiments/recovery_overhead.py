@@ -16,12 +16,12 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from common import write_result
 
 import jax_adaptive as ja
 from jax_adaptive.models import CNN, linen_classifier_loss
@@ -126,12 +126,9 @@ def main() -> None:
         "estimated_peak_bytes": {"trainer_micro_step": ours_bytes, "plain_micro_step": plain_bytes},
         "memory_ratio": ours_bytes / plain_bytes,
         "host_copies_in_steady_state": copies[0],
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
     }
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""What every benchmark here shares: writing its figures as JSON beside the run's setup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> Path:
+    """Writes ``result``, with the backend and JAX version added, as JSON at ``path``.
+
+    Example:
+        >>> import tempfile
+        >>> out = write_result(Path(tempfile.mkdtemp()) / "r.json", {"ratio": 1.0})
+        >>> json.loads(out.read_text())["backend"]
+        'cpu'
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    full = {**result, "backend": jax.default_backend(), "jax": jax.__version__}
+    out.write_text(json.dumps(full, indent=2) + "\n")
+    print("wrote", out)
+    return out
