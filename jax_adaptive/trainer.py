@@ -758,11 +758,13 @@ class AdaptiveTrainer:
             )
         return min(timings, key=timings.get)
 
+    def _guide_capacity(self) -> int | None:
+        """The capacity the search aims under: the real one or the learned one if lower."""
+        return min([c for c in (self.capacity(), self._learned_cap) if c is not None], default=None)
+
     def _fits_known(self, size: int) -> bool:
         """Whether ``size``'s estimate fits the capacity (compiling it if need be)."""
-        capacity = min(
-            [c for c in (self.capacity(), self._learned_cap) if c is not None], default=None
-        )
+        capacity = self._guide_capacity()
         return capacity is None or self._executable(size).estimate <= capacity
 
     def _store_plan(self) -> None:
@@ -787,8 +789,7 @@ class AdaptiveTrainer:
         never makes a run fail: only a real run says a size does not fit.
         """
         learned = self._learned_cap
-        caps = [c for c in (self.capacity(), learned) if c is not None]
-        capacity = min(caps) if caps else None
+        capacity = self._guide_capacity()
 
         def fits(size: int) -> bool:
             start = time.perf_counter()
