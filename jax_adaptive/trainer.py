@@ -732,12 +732,12 @@ class AdaptiveTrainer:
             structs = self._micro_structs(size)
             seconds = []
             for _ in range(reps + 1):  # the first run warms up
-                args = (
-                    state.params, state.opt_state._replace(acc_grads=None),
-                    self._zeros(structs[2]), state.model_state, self._zeros(structs[4]),
-                    self._zeros(structs[5]), jnp.ones(size, bool), state.rng,
-                    np.int32(0), np.int32(2),
+                zeros = _Progress(
+                    self._zeros(structs[2]), state.opt_state._replace(acc_grads=None),
+                    state.model_state, self._zeros(structs[4]),
                 )  # fmt: skip
+                batch, mask = self._zeros(structs[5]), jnp.ones(size, bool)
+                args = self._micro_args(state, zeros, batch, mask, 0, np.int32(2))
                 start = time.perf_counter()
                 try:
                     jax.block_until_ready(compiled(*args))
@@ -879,6 +879,16 @@ class AdaptiveTrainer:
         acc, model_state, totals = jax.device_put(saved.arrays, self.device)
         return _Progress(acc, saved.opt, model_state, totals, saved.offset, saved.steps)
 
+    @staticmethod
+    def _micro_args(
+        state: TrainState, p: _Progress, batch: Batch, mask: Any, offset: int, k: Any
+    ) -> tuple[Any, ...]:
+        """The micro-step's arguments, in `jax_adaptive.make_micro_step`'s order."""
+        return (
+            state.params, p.opt, p.acc, p.model_state, p.totals,
+            batch, mask, state.rng, np.int32(offset), k,
+        )  # fmt: skip
+
     def _run_micro_step(self, size: int, args: tuple[Any, ...]) -> Any:
         """The one place a micro-step executes (fault injection hooks in here)."""
         if self._faults is not None:
@@ -900,10 +910,7 @@ class AdaptiveTrainer:
         remaining = math.ceil((self.target_batch_size - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
         for micro in micro_batches(batch, size, start=p.offset):
-            args = (
-                state.params, p.opt, p.acc, p.model_state, p.totals,
-                micro.batch, micro.mask, state.rng, np.int32(micro.offset), k,
-            )  # fmt: skip
+            args = self._micro_args(state, p, micro.batch, micro.mask, micro.offset, k)
             acc, mini_step, model_state, totals = self._run_micro_step(size, args)
             p.advance(acc, mini_step, model_state, totals, size, self.target_batch_size)
             if cautious:
