@@ -1,0 +1,147 @@
+"""Datasets for the command line: random-access sources and a resumable shuffled stream.
+
+A source is anything with ``len`` and integer indexing that returns one example as a dict
+of arrays: the synthetic images, or a prepared TFDS dataset read through
+``tfds.data_source`` (array_record, no TensorFlow). `ShuffledBatches` draws target
+batches from a source in a seeded per-epoch order, and can start at any example index,
+so a resumed run reads exactly the examples an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from jax_adaptive.data import synthetic_images
+
+__all__ = ["ShuffledBatches", "Source", "SyntheticSource", "load_source"]
+
+
+class Source(Protocol):
+    """Random access to examples: ``len(source)`` and ``source[i]`` (a dict of arrays)."""
+
+    num_classes: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+class SyntheticSource:
+    """The synthetic images of `jax_adaptive.synthetic_images` as a random-access source.
+
+    Example:
+        >>> source = SyntheticSource(100)
+        >>> len(source), source[3]["image"].shape
+        (100, (16, 16, 3))
+    """
+
+    num_classes = 10
+
+    def __init__(self, num_examples: int, *, seed: int = 0):
+        self._data = synthetic_images(num_examples, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self._data["label"])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {k: v[index] for k, v in self._data.items()}
+
+
+class _Images:
+    """A TFDS image source, its images scaled to float32 in [0, 1]."""
+
+    def __init__(self, source: Any):
+        self._source = source
+        self.num_classes = int(source.dataset_info.features["label"].num_classes)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self._source[int(index)]
+        return {
+            "image": np.asarray(record["image"], np.float32) / 255.0,
+            "label": np.asarray(record["label"], np.int32),
+        }
+
+
+def load_source(
+    dataset: str, *, data_dir: str | None = None, split: str = "train", seed: int = 0
+) -> Source:
+    """Opens ``"synthetic"`` or ``"tfds:NAME"`` (an image dataset with image and label).
+
+    Raises:
+        ValueError: for an unknown dataset name, or TFDS data that is not prepared (or
+            prepared as TFRecord, which random access cannot read), saying how to fix it.
+
+    Example:
+        >>> len(load_source("synthetic"))
+        8192
+    """
+    if dataset == "synthetic":
+        return SyntheticSource(8192, seed=seed)
+    if not dataset.startswith("tfds:") or not dataset[5:]:
+        raise ValueError(f"unknown dataset {dataset!r}; use 'synthetic' or 'tfds:NAME'.")
+    import tensorflow_datasets as tfds
+
+    name = dataset[5:]
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as exc:  # TFDS raises several types for "not there"
+        raise ValueError(
+            f"cannot read TFDS dataset {name!r} (split {split!r}) from "
+            f"{data_dir or 'the default TFDS data dir'}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}. Prepare it as array_record on a machine with "
+            f"network: `tfds build {name} --file_format=array_record --data_dir DIR`, then "
+            "pass --data-dir DIR."
+        ) from None
+    return _Images(source)
+
+
+class ShuffledBatches:
+    """Target batches from a source in a seeded order, resumable at an example index.
+
+    Epoch ``e`` visits the examples in the permutation drawn from ``(seed, e)``; the
+    stream's position is the count of examples yielded, and ``start`` skips that many.
+
+    Args:
+        source: a `Source`.
+        batch_size: examples per batch.
+        seed: the shuffle seed.
+        start: the example index to start at (a resumed run's position).
+
+    Example:
+        >>> batches = ShuffledBatches(SyntheticSource(10), 4, seed=1, start=8)
+        >>> batch = next(batches)
+        >>> batch["label"].shape, batches.position
+        ((4,), 12)
+    """
+
+    def __init__(self, source: Source, batch_size: int, *, seed: int = 0, start: int = 0):
+        if len(source) == 0:
+            raise ValueError("the dataset has no examples.")
+        if batch_size <= 0 or start < 0:
+            raise ValueError(f"{batch_size=} must be positive and {start=} non-negative.")
+        self.source, self.batch_size, self.seed, self.position = source, batch_size, seed, start
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(
+                len(self.source)
+            )}  # fmt: skip
+        return self._orders[epoch]
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        n = len(self.source)
+        rows = []
+        for i in range(self.position, self.position + self.batch_size):
+            rows.append(self.source[int(self._order(i // n)[i % n])])
+        self.position += self.batch_size
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
