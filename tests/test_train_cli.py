@@ -1,6 +1,11 @@
+import json
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jax_adaptive.train import main, parse_bytes
@@ -13,7 +18,9 @@ def test_default_job_runs_and_learns():
     )  # fmt: skip
     lines = result.stdout.splitlines()
     assert lines[0].startswith("plan: micro-batch 256 x 1 accumulation steps")
-    losses = [float(line.split("loss")[1].split()[0]) for line in lines[1:]]
+    updates = [line for line in lines if line.startswith("update")]
+    losses = [float(line.split("loss")[1].split()[0]) for line in updates]
+    assert lines[-1].startswith("summary: plan 256 x 1")
     assert len(losses) == 12
     assert losses[-1] < 0.7 * losses[0], "the loss must visibly fall"
 
@@ -57,3 +64,100 @@ def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
     assert "from the plan cache" not in plans[0] and not plans[0].split("; ")[1].startswith("0 ")
     assert plans[1].startswith(plans[0].split(";")[0])  # the same micro-batch and steps
     assert "; 0 sizes compiled" in plans[1] and plans[1].endswith("(from the plan cache)")
+
+
+def _cli(*flags):
+    return [sys.executable, "-m", "jax_adaptive.train", "--no-progress", *map(str, flags)]
+
+
+def _final_params(workdir, update):
+    restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(update) / "state")
+    return restored["state"]["params"] if "params" in restored["state"] else restored["state"][0]
+
+
+def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
+    flags = ["--target-batch-size", "64", "--memory-limit", "3MB", "--updates", "16"]
+    flags += ["--checkpoint-every", "2", "--no-plan-cache"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_cli(*flags, "--workdir", whole), check=True, timeout=300,
+                   capture_output=True)  # fmt: skip
+    proc = subprocess.Popen(_cli(*flags, "--workdir", killed), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        steps = [p.name for p in (killed / "checkpoints").glob("*") if p.name.isdigit()]
+        if any(int(s) >= 4 for s in steps):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run must be killed mid-way"
+    done = (killed / "metrics.jsonl").read_text().splitlines()
+    assert 4 <= len(done) < 16
+    resumed = subprocess.run(_cli(*flags, "--workdir", killed, "--resume"), check=True,
+                             timeout=300, capture_output=True, text=True)  # fmt: skip
+    assert "resumed at update" in resumed.stdout.splitlines()[0]
+    a, b = _final_params(whole, 16), _final_params(killed, 16)
+    for x, y in zip(jax_leaves(a), jax_leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    plan = json.loads((killed / "plan.json").read_text())
+    assert 1 <= plan["micro_batch_size"] < 64
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+_MOCKED = """
+import sys
+import tensorflow_datasets as tfds
+from jax_adaptive.train import main
+with tfds.testing.mock_data(num_examples=96, policy=tfds.testing.MockPolicy.USE_CODE):
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_mocked_tfds_dataset_trains_from_the_cli(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", _MOCKED, "--dataset", "tfds:mnist", "--model", "mlp",
+         "--target-batch-size", "32", "--epochs", "2", "--no-progress",
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 6  # 2 epochs of 96 examples in batches of 32
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dataset", "imagenet"], "unknown dataset 'imagenet'; use 'synthetic' or 'tfds:NAME'"),
+        (["--dataset", "tfds:mnist", "--data-dir", "/nonexistent"], "tfds build mnist"),
+        (["--resume"], "--resume needs --workdir"),
+    ],
+)
+def test_bad_input_is_one_line_with_the_fix(flags, message, capsys):
+    assert main([*flags, "--updates", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_workdir_of_another_run_is_refused(tmp_path, capsys):
+    flags = [
+        "--target-batch-size",
+        "8",
+        "--updates",
+        "1",
+        "--no-progress",
+        "--workdir",
+        str(tmp_path),
+    ]
+    assert main(flags) == 0
+    assert main(flags) == 2
+    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
+    assert main([*flags, "--resume", "--seed", "1"]) == 2
+    assert "of another run (checkpoint vs now: {'seed': (0, 1)})" in capsys.readouterr().err
