@@ -165,7 +165,7 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         objective=config.objective,
         plan_cache=plan_cache,
     )
-    example = ShuffledBatches(source, 1).__next__()
+    example = next(ShuffledBatches(source, 1))
     variables = model.init(jax.random.key(config.seed), jnp.asarray(example["image"]))
     params, model_state = variables.pop("params"), dict(variables)
     start = time.perf_counter()
