@@ -7,6 +7,14 @@ Example:
 """
 
 from jax_adaptive import testing
+from jax_adaptive.buckets import (
+    BucketBatch,
+    BucketedTrainer,
+    bucket_batches,
+    bucket_for,
+    pad_to_bucket,
+    pow2_buckets,
+)
 from jax_adaptive.data import (
     MicroBatch,
     Rebatcher,
@@ -14,8 +22,9 @@ from jax_adaptive.data import (
     micro_batches,
     synthetic_images,
 )
+from jax_adaptive.distributed import data_mesh, place, process_any, process_min
 from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
-from jax_adaptive.oom import HostOutOfMemory, SimulatedOutOfMemory, is_oom
+from jax_adaptive.oom import HostOutOfMemory, PeerOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.plan_cache import PlanCache, enable_compilation_cache, plan_key
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
@@ -28,11 +37,14 @@ from jax_adaptive.trainer import (
 
 __all__ = [
     "AdaptiveTrainer",
+    "BucketBatch",
+    "BucketedTrainer",
     "HostOutOfMemory",
     "MemoryModel",
     "MicroBatch",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",
+    "PeerOutOfMemory",
     "PlanCache",
     "Rebatcher",
     "SearchResult",
@@ -41,6 +53,9 @@ __all__ = [
     "SizeTrial",
     "StateLostError",
     "TrainState",
+    "bucket_batches",
+    "bucket_for",
+    "data_mesh",
     "device_capacity",
     "enable_compilation_cache",
     "estimate_peak_bytes",
@@ -51,7 +66,12 @@ __all__ = [
     "memory_report",
     "micro_batches",
     "multi_steps",
+    "pad_to_bucket",
+    "place",
     "plan_key",
+    "pow2_buckets",
+    "process_any",
+    "process_min",
     "search_max_size",
     "synthetic_images",
     "testing",

@@ -17,7 +17,7 @@ import re
 
 import jax
 
-__all__ = ["HostOutOfMemory", "SimulatedOutOfMemory", "is_oom"]
+__all__ = ["HostOutOfMemory", "PeerOutOfMemory", "SimulatedOutOfMemory", "is_oom"]
 
 # Phrases XLA, PJRT, cuBLAS and cuDNN use for a failed device allocation.
 _OOM_PATTERN = re.compile(
@@ -73,6 +73,25 @@ class HostOutOfMemory(RuntimeError):
         )
 
 
+class PeerOutOfMemory(RuntimeError):
+    """Another process of a ``jax.distributed`` job ran out of memory at this micro-step.
+
+    Every process raises it (or its own error) at the same micro-step, so that all
+    shrink the micro-batch together and none waits in a collective the others skip.
+
+    Example:
+        >>> import jax_adaptive as ja
+        >>> ja.is_oom(ja.PeerOutOfMemory(size=64))
+        True
+    """
+
+    def __init__(self, size: int):
+        self.size = int(size)
+        super().__init__(
+            f"RESOURCE_EXHAUSTED: another process ran out of memory at micro-batch {self.size}."
+        )
+
+
 def is_oom(exc: BaseException) -> bool:
     """Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
 
@@ -95,7 +114,7 @@ def is_oom(exc: BaseException) -> bool:
         >>> ja.is_oom(MemoryError())
         False
     """
-    if isinstance(exc, SimulatedOutOfMemory | HostOutOfMemory):
+    if isinstance(exc, SimulatedOutOfMemory | HostOutOfMemory | PeerOutOfMemory):
         return True
     # XLA raises JaxRuntimeError on a first call and a plain ValueError on the compiled
     # fast path; any other type (a user's RuntimeError, a ValueError subclass) is not XLA's.

@@ -30,10 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_adaptive.data import Rebatcher, leading_size, micro_batches
+from jax_adaptive.distributed import place, process_any, process_min, replicated
 from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
-from jax_adaptive.oom import SimulatedOutOfMemory, is_oom
+from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import (
@@ -156,6 +158,10 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
+def _shardings(structs: Any) -> Any:
+    return jax.tree.map(lambda s: s.sharding, structs)
+
+
 def _is_deleted(tree: Any) -> bool:
     return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
 
@@ -197,7 +203,20 @@ class AdaptiveTrainer:
             the fastest update among the largest size and the sizes with the fewest
             micro-steps and the least padding (``ceil(T / k)`` for the few smallest
             ``k``), each timed for a few micro-steps at ``init`` (`throughput_log`).
-        device: the device to train on (the first local device by default).
+        device: the device to train on (the first local device by default), without
+            ``mesh``.
+        mesh: a ``jax.sharding.Mesh`` (`jax_adaptive.data_mesh` makes one over all
+            devices) to train data parallel on: each micro-batch is split over its
+            ``data_axis``; the searched size is per device and the global micro-batch a
+            multiple of the number of data shards. Under ``jax.distributed`` every
+            process passes the same global batches and the processes agree on every
+            plan (the smallest size any found) and shrink together on any one's
+            out-of-memory.
+        data_axis: the mesh axis the micro-batch is split over.
+        param_sharding: with ``mesh``, a pytree of ``PartitionSpec`` matching (a prefix
+            of) the parameters, for parameters sharded over other mesh axes; the
+            optimizer state follows its parameters (``optax.tree_map_params``). None
+            replicates the parameters.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -230,6 +249,9 @@ class AdaptiveTrainer:
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
         objective: Literal["max", "throughput"] = "max",
         device: jax.Device | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis: str = "data",
+        param_sharding: Any = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -251,6 +273,17 @@ class AdaptiveTrainer:
         if not (grow in ("never", "on_limit_change") or (isinstance(grow, int) and grow > 0)):
             raise ValueError(f"{grow=} must be 'never', 'on_limit_change' or a positive int.")
         self.multiple_of = _positive_int("multiple_of", multiple_of)
+        self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
+        self.shards = self._check_mesh(device)
+        if self.shards > self.target_batch_size:
+            raise ValueError(
+                f"target_batch_size={self.target_batch_size} is smaller than the "
+                f"{self.shards} data shards of the mesh: every device needs an example."
+            )
+        if micro_batch_size != "auto" and micro_batch_size % self.shards:
+            raise ValueError(
+                f"{micro_batch_size=} must be a multiple of the {self.shards} data shards."
+            )
         if multiple_of > self.target_batch_size:
             raise ValueError(
                 f"{multiple_of=} must not exceed target_batch_size={self.target_batch_size}."
@@ -262,7 +295,11 @@ class AdaptiveTrainer:
         self.headroom = headroom
         self.grow = grow
         self.oom_retries = oom_retries
-        self.device = device or jax.local_devices()[0]
+        self.device = device or (
+            next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+            if mesh is not None
+            else jax.local_devices()[0]
+        )
         self.plan_cache = PlanCache.from_arg(plan_cache)
         if objective not in ("max", "throughput"):
             raise ValueError(f"{objective=} must be 'max' or 'throughput'.")
@@ -273,17 +310,15 @@ class AdaptiveTrainer:
         self.memory_limit = None if memory_limit is None else self._check_limit(memory_limit)
         self.trace_counts: Counter[int] = Counter()
         self.search_log: list[SizeTrial] = []
-        self._micro_jit = jax.jit(
-            make_micro_step(
-                loss_fn,
-                optimizer,
-                self.target_batch_size,
-                has_aux=has_aux,
-                has_state=has_state,
-                on_trace=lambda size: self.trace_counts.update([size]),
-            ),
-            donate_argnums=(2, 4),
+        self._micro_fn = make_micro_step(
+            loss_fn,
+            optimizer,
+            self.target_batch_size,
+            has_aux=has_aux,
+            has_state=has_state,
+            on_trace=lambda size: self.trace_counts.update([size]),
         )
+        self._micro_jit = jax.jit(self._micro_fn, donate_argnums=(2, 4))
         self._executables: dict[int, _Executable] = {}
         self._compiles = 0
         self.memory_model = MemoryModel()  # the estimate of every size compiled
@@ -349,11 +384,25 @@ class AdaptiveTrainer:
         )
         rng = jax.random.key(0) if rng is None else rng
         opt_state = multi_steps(self.optimizer, 1).init(params)
-        state = jax.device_put(TrainState(params, opt_state, model_state, rng), self.device)
+        state = TrainState(params, opt_state, model_state, rng)
+        state = place(state, self._placement(state))
         self._state_structs = jax.tree.map(_struct, state)
         self._totals_struct = self._totals_for(state)
+        if self.mesh is not None:  # the outputs keep the inputs' shardings, call after call
+            s = self._state_structs
+            outs = (
+                s.opt_state.acc_grads,
+                s.opt_state.mini_step,
+                s.model_state,
+                self._totals_struct,
+            )
+            self._micro_jit = jax.jit(
+                self._micro_fn, donate_argnums=(2, 4), out_shardings=_shardings(outs)
+            )
         self._optimizer_step()  # compiles it, and checks that the state itself fits
-        self._size = self._fixed or self._cached_plan() or self._search_and_store(state)
+        self._size = self._fixed or process_min(
+            self._cached_plan() or self._search_and_store(state)
+        )
         if self._fixed:
             self.compile(self._fixed)
         return state
@@ -430,7 +479,10 @@ class AdaptiveTrainer:
                 self._recover(exc, size)
                 # Go on from the micro-step that failed when what came before survived;
                 # else start the update again from the state, which nothing donated.
-                progress = self._salvage(progress) or self._fresh_progress(state)
+                salvaged = self._salvage(progress)
+                if not process_min(salvaged is not None):  # all go on, or all start again
+                    salvaged = None
+                progress = salvaged or self._fresh_progress(state)
                 failed = True
         return self._apply(state, progress)
 
@@ -506,6 +558,52 @@ class AdaptiveTrainer:
         if self._size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
 
+    def _check_mesh(self, device: jax.Device | None) -> int:
+        """The number of data shards (1 without a mesh), checking the mesh arguments."""
+        if self.mesh is None:
+            if self.param_sharding is not None:
+                raise ValueError("param_sharding needs a mesh (mesh=ja.data_mesh(), ...).")
+            return 1
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+        if device is not None:
+            raise ValueError("pass either device or mesh, not both.")
+        if self.data_axis not in self.mesh.shape:
+            raise ValueError(
+                f"data_axis={self.data_axis!r} is not an axis of the mesh {dict(self.mesh.shape)}."
+            )
+        return int(self.mesh.shape[self.data_axis])
+
+    def _placement(self, state: TrainState) -> Any:
+        """Where the state lives: the device, or shardings over the mesh."""
+        if self.mesh is None:
+            return self.device
+        everywhere = replicated(self.mesh)
+        params = jax.tree.map(lambda _: everywhere, state.params)
+        if self.param_sharding is not None:
+            specs = jax.tree.map(
+                lambda spec, p: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), p),
+                self.param_sharding,
+                state.params,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+            params = specs
+        opt = optax.tree_map_params(
+            multi_steps(self.optimizer, 1),
+            lambda _, sharding: sharding,
+            state.opt_state,
+            params,
+            transform_non_params=lambda _: everywhere,
+        )
+        return TrainState(
+            params, opt, jax.tree.map(lambda _: everywhere, state.model_state), everywhere
+        )
+
+    def _data_sharding(self) -> Any:
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+
     @staticmethod
     def _check_limit(memory_limit: Any) -> int:
         return _positive_int("memory_limit", memory_limit)
@@ -545,12 +643,20 @@ class AdaptiveTrainer:
         aux = jax.eval_shape(losses, state.params, state.model_state, batch, state.rng)
         if not isinstance(aux, dict):
             raise TypeError(f"aux must be a dict of per-example metrics, got {type(aux).__name__}.")
-        return {name: jax.ShapeDtypeStruct((), jnp.float32) for name in ("loss", *aux)}
+        scalar = (
+            replicated(self.mesh)
+            if self.mesh is not None
+            else jax.sharding.SingleDeviceSharding(self.device)
+        )
+        return {
+            name: jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar) for name in ("loss", *aux)
+        }
 
     def _micro_structs(self, size: int) -> tuple[Any, ...]:
         s = self._state_structs
+        data = self._data_sharding()
         batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype), self._example
+            lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype, sharding=data), self._example
         )
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         return (
@@ -560,7 +666,7 @@ class AdaptiveTrainer:
             s.model_state,
             self._totals_struct,
             batch,
-            jax.ShapeDtypeStruct((size,), jnp.bool_),
+            jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=data),
             s.rng,
             i32,
             i32,
@@ -606,6 +712,7 @@ class AdaptiveTrainer:
                 jax.jit(
                     make_optimizer_step(self.optimizer, self.target_batch_size),
                     donate_argnums=(0, 1) if donate else (),
+                    out_shardings=_shardings((s.params, s.opt_state, self._totals_struct)),
                 )
                 .lower(s.params, s.opt_state, self._totals_struct, k)
                 .compile()
@@ -675,6 +782,7 @@ class AdaptiveTrainer:
                 memory_limit=self.memory_limit,
                 headroom=self.headroom,
                 multiple_of=self.multiple_of,
+                mesh=None if self.mesh is None else dict(self.mesh.shape),
                 target_batch_size=self.target_batch_size,
                 example=str(self._example),
                 micro_step=fingerprint,
@@ -723,7 +831,9 @@ class AdaptiveTrainer:
         """
         T = self.target_batch_size
         k = math.ceil(T / largest)
-        candidates = sorted({largest, *(math.ceil(T / j) for j in range(k, k + 3))}, reverse=True)
+        shards = self.shards  # each candidate rounded up to whole data shards
+        fewest = (min(largest, -(-math.ceil(T / j) // shards) * shards) for j in range(k, k + 3))
+        candidates = sorted({largest, *fewest}, reverse=True)
         timings = {}
         for size in candidates:
             if not self._fits_known(size):
@@ -821,16 +931,21 @@ class AdaptiveTrainer:
             return ok
 
         propose = self.memory_model.propose(capacity) if capacity is not None else None
-        multiple = self.multiple_of if hi // self.multiple_of * self.multiple_of >= lo else 1
+        # Multiples of the data shards always; of multiple_of too unless none fits.
+        least = self.shards
+        preferred = math.lcm(self.multiple_of, least)
+        multiple = preferred if hi // preferred * preferred >= max(lo, least) else least
         try:
             try:
                 return search_max_size(
-                    fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose
+                    fits, lo=max(lo, least), hi=hi, multiple_of=multiple, propose=propose
                 ).size
             except NothingFitsError:
-                if multiple == 1 or lo >= multiple:
+                if multiple == least or lo >= multiple:
                     raise
-                return search_max_size(fits, lo=lo, hi=multiple - 1, propose=propose).size
+                return search_max_size(
+                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
+                ).size
         except NothingFitsError as exc:
             smallest = self._executables.get(exc.smallest)
             needed = f"{smallest.estimate:,}" if smallest else "?"
@@ -843,7 +958,7 @@ class AdaptiveTrainer:
             ) from None
 
     def _zeros(self, structs: Any) -> Any:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=self.device), structs)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), structs)
 
     def _fresh_progress(self, state: TrainState) -> _Progress:
         acc = state.opt_state.acc_grads
@@ -876,7 +991,9 @@ class AdaptiveTrainer:
         if progress.saved is None:
             return None
         saved = progress.saved
-        acc, model_state, totals = jax.device_put(saved.arrays, self.device)
+        s = self._state_structs
+        places = _shardings((s.opt_state.acc_grads, s.model_state, self._totals_struct))
+        acc, model_state, totals = place(saved.arrays, places)
         return _Progress(acc, saved.opt, model_state, totals, saved.offset, saved.steps)
 
     @staticmethod
@@ -890,10 +1007,37 @@ class AdaptiveTrainer:
         )  # fmt: skip
 
     def _run_micro_step(self, size: int, args: tuple[Any, ...]) -> Any:
-        """The one place a micro-step executes (fault injection hooks in here)."""
+        """The one place a micro-step executes (fault injection hooks in here).
+
+        Whatever would fail before dispatch (the capacity, an injected fault) is agreed
+        between processes first: all raise at the same micro-step, or none does.
+        """
+        self._agreed(size, lambda: self._preflight(size, args))
+        return self._executable(size).compiled(*args)
+
+    def _preflight(self, size: int, args: tuple[Any, ...]) -> None:
+        self._check_capacity(size)
         if self._faults is not None:
             self._faults.before_execution(size, args)
-        return self._executable(size).compiled(*args)
+
+    def _agreed(self, size: int, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn``, raising on every process if it ran out of memory on any.
+
+        Under ``jax.distributed`` the process that ran out raises its own error and the
+        others `PeerOutOfMemory`; with one process this is ``fn()``.
+        """
+        if jax.process_count() == 1:
+            return fn()
+        error = None
+        try:
+            out = fn()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            error = exc
+        if process_any(error is not None):
+            raise error or PeerOutOfMemory(size)
+        return out
 
     def _accumulate(
         self, state: TrainState, batch: Batch, size: int, p: _Progress, cautious: bool
@@ -904,23 +1048,26 @@ class AdaptiveTrainer:
         keep a host copy of each micro-step's result, so that a failure costs one
         micro-step, not the update.
         """
-        self._executable(size)
-        self._check_capacity(size)
+        self._agreed(size, lambda: self._executable(size))
         cautious = cautious or size not in self._ran
         remaining = math.ceil((self.target_batch_size - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
+        data = self._data_sharding()
         for micro in micro_batches(batch, size, start=p.offset):
-            args = self._micro_args(state, p, micro.batch, micro.mask, micro.offset, k)
+            chunk, mask = micro.batch, micro.mask
+            if data is not None:
+                chunk, mask = place((chunk, mask), data)
+            args = self._micro_args(state, p, chunk, mask, micro.offset, k)
             acc, mini_step, model_state, totals = self._run_micro_step(size, args)
             p.advance(acc, mini_step, model_state, totals, size, self.target_batch_size)
             if cautious:
                 # A new size's first update, or one that already failed, is where an
                 # out-of-memory is likeliest: each micro-step must fail inside the try,
                 # and a host copy of its result lets a failure go on from there.
-                p.save()
+                self._agreed(size, p.save)
                 self._oom_streak = 0
         # A late (asynchronous) failure must surface as the micro-step's, not later.
-        jax.block_until_ready((p.acc, p.totals, p.model_state))
+        self._agreed(size, lambda: jax.block_until_ready((p.acc, p.totals, p.model_state)))
         self._oom_streak = 0
         self._ran.add(size)
 
@@ -958,7 +1105,8 @@ class AdaptiveTrainer:
                     "does not fit, ran out of memory inside its run and XLA deleted the "
                     "state: restore it from your last checkpoint, and leave more memory free."
                 )
-            params, opt = jax.device_put(snapshot, self.device)
+            s = self._state_structs
+            params, opt = place(snapshot, _shardings((s.params, s.opt_state)))
         restored = TrainState(
             params,
             opt._replace(
@@ -978,7 +1126,7 @@ class AdaptiveTrainer:
         update, and half of it each further time (the estimate is then no guide), so
         a few compiles reach a size that runs; the memory model picks each size.
         """
-        real = not isinstance(exc, SimulatedOutOfMemory)
+        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
         estimate = self._executable(size).estimate
         self.search_log.append(
             SizeTrial(size, False, estimate, 0.0, "run" if real else "estimate", "step")
@@ -995,7 +1143,7 @@ class AdaptiveTrainer:
             # The failed size is not tried again before memory comes back: free its code.
             self._executables.pop(size, None)
         try:
-            if size == 1:
+            if size <= self.shards:
                 capacity = self.capacity()
                 raise NothingFitsError(
                     1,
@@ -1003,27 +1151,30 @@ class AdaptiveTrainer:
                     detail=f"a micro-step of 1 needs {estimate:,} bytes (estimate) and "
                     f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
                 ) from exc
-            self._size = self._search(hi=size - 1, reason=f"out of memory at size {size}")
+            self._size = process_min(
+                self._search(hi=size - 1, reason=f"out of memory at size {size}")
+            )
             self._store_plan()
         except NothingFitsError:
             # A real out-of-memory can pass (fragmentation, another job's peak): retry the
             # smallest size a few times in a row before giving up.
             if not real or self._oom_streak > self.oom_retries:
                 raise
-            self._size = 1
+            self._size = self.shards
 
     def _maybe_grow(self) -> None:
         if self._fixed is not None or self._size == self.target_batch_size:
             return
         periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
         on_limit = self.grow == "on_limit_change" and self._limit_raised
-        if not (periodic or on_limit):
+        if not process_any(periodic or on_limit):  # every process grows, or none
             return
         self._limit_raised = False
         self._updates_since_grow = 0
         if periodic:
             self._learned_cap = None  # memory may have come back: let real runs decide
         try:
-            self._size = self._search(lo=self._size, hi=self.target_batch_size, reason="grow")
+            grown = self._search(lo=self._size, hi=self.target_batch_size, reason="grow")
         except NothingFitsError:
-            pass  # not even the current size fits now: the step's recovery shrinks it
+            grown = self._size  # not even the current size fits now: the step shrinks it
+        self._size = process_min(grown)

@@ -1,0 +1,137 @@
+"""Data-parallel training on several CPU devices, run as a script in a subprocess.
+
+``python data_parallel_job.py mesh OUT.json`` trains on 8 CPU devices;
+``python data_parallel_job.py process ID PORT OUT.json`` is one of two ``jax.distributed``
+processes on localhost (2 CPU devices each, gloo collectives). Each writes its figures
+and the final parameters next to an independent single-device reference (plain optax,
+one full-batch step per update) for the test to compare. The device count is set before
+JAX starts, which is why these run apart from the test process (DESIGN.md).
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    devices = 8 if sys.argv[1] == "mesh" else 2
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json
+
+import jax
+import numpy as np
+import optax
+from helpers import full_batch_reference, mlp_loss, mlp_params, regression_batches
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+T, UPDATES, D_IN, WIDTH, LENGTH = 100, 3, 8, 16, 32
+OPTIMIZER = optax.adam(1e-2)
+
+
+def problem():
+    return mlp_params(0, D_IN, WIDTH), regression_batches(UPDATES, T, 1, D_IN, LENGTH)
+
+
+def reference(params, batches):
+    """Plain optax on one device, no mesh: what every configuration must equal."""
+    with jax.default_device(jax.local_devices()[0]):
+        return full_batch_reference(mlp_loss, OPTIMIZER, params, batches)
+
+
+def host(tree):
+    return {k: np.asarray(jax.device_get(v)).tolist() for k, v in tree.items()}
+
+
+def train(params, batches, *, faults=None, **kwargs):
+    import jax_adaptive as ja
+    from jax_adaptive.testing import inject_oom
+
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZER, target_batch_size=T, plan_cache=False, **kwargs
+    )
+    state = trainer.init(params, batches[0])
+    planned, sizes = trainer.micro_batch_size, []
+    with inject_oom(trainer, executions=faults or ()) as injector:
+        for batch in batches:
+            state, metrics = trainer.step(state, batch)
+            sizes.append(int(metrics["micro_batch_size"]))
+    own = [t.size for t in trainer.search_log if t.fits and t.reason == "init"]
+    return (
+        trainer,
+        state,
+        {
+            "searched": max(own, default=None),  # this process's own answer, before agreeing
+            "planned": planned,
+            "sizes": sizes,
+            "injected": injector.injected,
+            "compiles": trainer.compiles,
+            "params": host(state.params),
+            "shardings": {
+                k: str(getattr(v.sharding, "spec", None)) for k, v in state.params.items()
+            },
+        },
+    )
+
+
+def brute_force(trainer, limit):
+    """The largest multiple of the shards whose estimate fits, by compiling every one."""
+    import jax_adaptive as ja
+
+    fits = [
+        s
+        for s in range(trainer.shards, T + 1, trainer.shards)
+        if ja.estimate_peak_bytes(trainer.compile(s)) <= limit
+    ]
+    return max(fits)
+
+
+def mesh_job(out):
+    import jax_adaptive as ja
+
+    params, batches = problem()
+    limit = 80_000
+    _, _, single_run = train(params, batches, memory_limit=limit)
+    trainer, _, data = train(params, batches, memory_limit=limit, mesh=ja.data_mesh())
+    grid = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model")}
+    _, state, sharded = train(
+        params, batches, memory_limit=limit, mesh=grid, param_sharding=specs, faults={2}
+    )
+    mu = state.opt_state.inner_opt_state[0].mu
+    result = {
+        "reference": host(reference(params, batches)),
+        "single": single_run,
+        "data": {**data, "brute_force": brute_force(trainer, limit)},
+        "sharded": {
+            **sharded,
+            "mu_shardings": {k: str(getattr(v.sharding, "spec", None)) for k, v in mu.items()},
+        },
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def process_job(process_id, port, out):
+    import jax_adaptive as ja
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    params, batches = problem()
+    # The processes see different capacities, and only process 0 runs out of memory
+    # (at its third micro-step): they must still agree on every size.
+    limit = 80_000 if process_id == 0 else 60_000
+    faults = {3} if process_id == 0 else ()
+    _, _, run = train(params, batches, memory_limit=limit, mesh=ja.data_mesh(), faults=faults)
+    run["reference"] = host(reference(params, batches))
+    run["devices"] = jax.device_count()
+    with open(out, "w") as f:
+        json.dump(run, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "mesh":
+        mesh_job(sys.argv[2])
+    else:
+        process_job(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

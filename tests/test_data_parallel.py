@@ -1,0 +1,102 @@
+"""Data parallel over 8 CPU devices, and two jax.distributed processes, against one device.
+
+Both run in subprocesses (the device count is fixed when JAX starts; see
+data_parallel_job.py) and compare with plain optax, one full-batch step per update, on
+a single device.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+JOB = Path(__file__).with_name("data_parallel_job.py")
+TOL = 2e-5
+
+
+def _run(*args, timeout=240):
+    return subprocess.Popen(
+        [sys.executable, str(JOB), *map(str, args)],
+        cwd=JOB.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ), timeout
+
+
+def _wait(proc_timeout):
+    proc, timeout = proc_timeout
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not finish in {timeout} s (a deadlock?):\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+
+
+def _assert_equal(params, reference):
+    assert params.keys() == reference.keys()
+    for name in params:
+        np.testing.assert_allclose(params[name], reference[name], rtol=TOL, atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def mesh_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mesh") / "result.json"
+    _wait(_run("mesh", out))
+    return json.loads(out.read_text())
+
+
+def test_data_parallel_equals_one_device(mesh_result):
+    _assert_equal(mesh_result["single"]["params"], mesh_result["reference"])
+    _assert_equal(mesh_result["data"]["params"], mesh_result["reference"])
+
+
+def test_the_searched_size_is_per_device_and_a_multiple_of_the_devices(mesh_result):
+    data, single = mesh_result["data"], mesh_result["single"]
+    assert data["planned"] % 8 == 0
+    assert data["planned"] == data["brute_force"]  # the exact max over multiples of 8
+    # Under the same per-device cap, 8 devices hold about 8 times the single micro-batch.
+    assert data["planned"] >= 6 * single["planned"]
+    assert set(data["shardings"].values()) == {"P()"}  # replicated by default
+
+
+def test_user_sharded_parameters_and_their_optimizer_state(mesh_result):
+    sharded = mesh_result["sharded"]
+    want = {"w1": "P(None, 'model')", "b1": "P('model',)", "w2": "P('model',)"}
+    assert sharded["shardings"] == want
+    assert sharded["mu_shardings"] == want  # Adam's moments follow their parameters
+    assert sharded["injected"], "the injected out-of-memory did not happen"
+    assert all(s % 4 == 0 for s in sharded["sizes"])  # 4 data shards on the 4x2 mesh
+    assert sharded["sizes"][-1] < sharded["planned"]
+    _assert_equal(sharded["params"], mesh_result["reference"])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_and_shrink_together(tmp_path):
+    port = _free_port()
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs = [_run("process", i, port, out, timeout=300) for i, out in enumerate(outs)]
+    for proc in procs:
+        _wait(proc)
+    first, second = (json.loads(out.read_text()) for out in outs)
+    assert first["devices"] == second["devices"] == 4
+    # Different capacities: each found its own size, and both use the smaller.
+    assert first["searched"] > second["searched"]
+    assert first["planned"] == second["planned"] == second["searched"]
+    # Only the first process ran out of memory; both shrank at the same micro-step.
+    assert first["injected"] and not second["injected"]
+    assert first["sizes"] == second["sizes"]
+    assert first["sizes"][-1] < first["planned"]
+    _assert_equal(first["params"], first["reference"])
+    _assert_equal(second["params"], first["params"])
