@@ -1,0 +1,81 @@
+"""The GPU validation script's smoke run on a CPU: every check runs and says what it should.
+
+`experiments/gpu_validation.py --smoke` makes the out-of-memory errors real on a CPU
+(an address-space limit in each child), so this checks the script end to end: a check
+that errors, an OOM that is not recognised, a search that misses the brute-force answer
+or a donation outcome that is not a bool fails the test.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "experiments" / "gpu_validation.py"
+CHECKS = {
+    "oom_preallocate_false",
+    "oom_mem_fraction",
+    "search_vs_brute_force",
+    "estimate_vs_peak",
+    "donation_after_oom",
+    "resnet50_throughput",
+}
+
+
+def test_smoke_run_validates_every_check(tmp_path):
+    out = tmp_path / "gpu_validation.json"
+    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "smoke"
+    assert report["device"]["backend"] == "cpu"
+    checks = report["checks"]
+    assert set(checks) == CHECKS
+    for name, record in checks.items():
+        assert record["error"] is None, f"{name}: {record['error']}"
+        assert record["result"] is not None, name
+
+    for name in ("oom_preallocate_false", "oom_mem_fraction"):
+        result = checks[name]["result"]
+        assert result["fits_ok"], name  # below the limit an allocation runs
+        assert result["requested_bytes"] > result["limit_bytes"]
+        assert result["is_oom"] is True, result["attempts"]
+        assert all(a["caught"] and a["is_oom"] for a in result["attempts"])
+    assert checks["oom_mem_fraction"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
+    assert checks["oom_preallocate_false"]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+    search = checks["search_vs_brute_force"]["result"]
+    target = search["target_batch_size"]
+    assert 1 < search["brute_force"] < target  # the limit leaves the search real work
+    assert search["micro_batch_size"] == search["brute_force"]
+    assert search["equal"] is True
+    assert 0 < search["compiles"] < target
+    assert sorted(int(s) for s in search["estimates"]) == list(range(1, target + 1))
+
+    peak = checks["estimate_vs_peak"]["result"]
+    assert peak["sizes"] and peak["memory_stats_available"] is False
+    for row in peak["sizes"]:
+        assert row["error"] is None and row["estimate"] > 0
+        assert row["peak_bytes_in_use"] is None  # a CPU gives no memory_stats()
+
+    donation = checks["donation_after_oom"]["result"]
+    assert donation["caught"] is True and donation["is_oom"] is True
+    assert isinstance(donation["donated_deleted"], bool)
+    assert donation["control_deleted"] is True  # donation was in effect
+    assert donation["temp_bytes"] > donation["limit_bytes"]
+
+    resnet = checks["resnet50_throughput"]["result"]
+    assert resnet["sizes"], resnet
+    for row in resnet["sizes"]:
+        assert row["timed_updates"] >= 1 and row["images_per_s"] > 0
