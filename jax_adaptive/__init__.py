@@ -14,6 +14,7 @@ from jax_adaptive.buckets import (
     bucket_for,
     pad_to_bucket,
     pow2_buckets,
+    predict_line,
 )
 from jax_adaptive.data import (
     MicroBatch,
@@ -70,6 +71,7 @@ __all__ = [
     "place",
     "plan_key",
     "pow2_buckets",
+    "predict_line",
     "process_any",
     "process_min",
     "search_max_size",

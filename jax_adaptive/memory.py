@@ -111,8 +111,13 @@ class MemoryModel:
     linear there). From one side only, it extrapolates through that side's two
     measurements nearest the capacity; from a single measurement, through the origin.
 
+    A ``prior`` line (predicted, e.g. from other input shapes) stands in for what the
+    measurements cannot say yet: with none, the prior line's crossing is the guess; with
+    one, the line through it with the prior's slope; from two on, measurements alone.
+
     Args:
         points: measured ``{size: peak bytes}``, e.g. estimates of compiled sizes.
+        prior: optional predicted ``(intercept, slope)`` in bytes and bytes per size.
 
     Example:
         >>> model = MemoryModel({64: 1_000 + 64 * 50, 256: 1_000 + 256 * 50})
@@ -122,8 +127,13 @@ class MemoryModel:
         181
     """
 
-    def __init__(self, points: Mapping[int, int] | None = None):
+    def __init__(
+        self, points: Mapping[int, int] | None = None, prior: tuple[float, float] | None = None
+    ):
         self.points: dict[int, int] = dict(points or {})
+        if prior is not None and not prior[1] > 0:
+            raise ValueError(f"the prior's slope must be positive, got {prior}.")
+        self.prior = prior
 
     def add(self, size: int, nbytes: int) -> None:
         """Records a measured peak."""
@@ -139,6 +149,12 @@ class MemoryModel:
             The predicted size (at least 0), or None when no measurement, or a line
             that does not grow, gives no prediction.
         """
+        if self.prior is not None and len(self.points) < 2:
+            intercept, slope = self.prior
+            if self.points:  # through the measurement, with the prior's slope
+                ((size, nbytes),) = self.points.items()
+                intercept = nbytes - slope * size
+            return max(0, int((capacity - intercept) / slope))
         if not self.points:
             return None
         below = sorted(s for s, b in self.points.items() if b <= capacity)

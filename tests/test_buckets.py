@@ -1,0 +1,209 @@
+"""Shape buckets and token budgets, against a masked full-batch reference.
+
+The reference is plain optax: one jitted step per update on the update's whole padded
+batch, with the per-token (or per-sequence) mean written out here from the logits and
+the mask, not through the trainer or `gpt_token_loss`.
+"""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+import jax_adaptive as ja
+from jax_adaptive.models import GPT, gpt_token_loss
+from jax_adaptive.testing import inject_oom
+
+MODEL = GPT(vocab_size=11, max_len=16, width=16, depth=1, heads=2)
+BUCKETS = (4, 8, 16)
+TARGET_TOKENS = 64  # 16, 8 and 4 sequences per update
+LIMIT = 130_000  # micro-batches of 11, 5 and 2: below every update (the state alone: 121 kB)
+# Adam divides by sqrt(v) + eps: with the default eps a near-zero gradient turns float
+# rounding (a sum over micro-batches is not bit-equal to one sum) into 1e-4 differences.
+OPTIMIZER = optax.adam(3e-3, eps=1e-4)
+
+
+def _next_token_counts(batch):
+    return batch["mask"][:, 1:].sum(axis=1)
+
+
+def _sequences(n, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 17, n)
+    return [{"tokens": rng.integers(0, 11, k).astype(np.int32)} for k in lengths]
+
+
+def _params():
+    return MODEL.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+
+
+def _reference(params, batches, weighting):
+    opt_state = OPTIMIZER.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask):
+        def loss(p):
+            logits = MODEL.apply({"params": p}, tokens)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+            valid = mask[:, 1:].astype(jnp.float32)
+            if weighting == "token":
+                return jnp.sum(ce * valid) / jnp.sum(valid)
+            return jnp.mean(jnp.sum(ce * valid, axis=1) / jnp.sum(valid, axis=1))
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for batch in batches:
+        params, opt_state = step(params, opt_state, batch.batch["tokens"], batch.batch["mask"])
+    return params
+
+
+def _trainer(**kwargs):
+    return ja.BucketedTrainer(
+        gpt_token_loss(MODEL),
+        OPTIMIZER,
+        buckets=BUCKETS,
+        count_tokens=_next_token_counts,
+        **{"target_tokens": TARGET_TOKENS, "memory_limit": LIMIT, "plan_cache": False, **kwargs},
+    )
+
+
+def _batches(sequences, trainer):
+    sizes = {length: trainer.examples_per_update(length) for length in BUCKETS}
+    return list(ja.bucket_batches(sequences, sizes))
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """One token-weighted run over mixed lengths, with a plan cache file."""
+    cache = tmp_path_factory.mktemp("plans") / "plans.json"
+    sequences = _sequences(120)
+    trainer = _trainer(plan_cache=cache)
+    state, history = trainer.fit(trainer.init(_params(), sequences[0]), sequences)
+    return trainer, state, history, _batches(sequences, trainer), cache
+
+
+def test_mixed_lengths_equal_the_masked_full_batch_reference(fitted):
+    trainer, state, history, batches, _ = fitted
+    assert len(history) == len(batches) >= 6
+    assert {h["bucket"] for h in history} == set(BUCKETS)
+    # Micro-batches smaller than the update, some not dividing it (masked padding rows).
+    steps = {b["length"]: b["accumulation_steps"] for b in trainer.bucket_log}
+    assert steps[16] > 1 and steps[8] > 1, trainer.bucket_log
+    assert any(4 * 16 // b["length"] % b["micro_batch_size"] for b in trainer.bucket_log)
+    assert_trees_close(state.params, _reference(_params(), batches, "token"), 2e-5)
+
+
+def test_example_weighting_equals_the_mean_of_per_sequence_means(fitted):
+    sequences = _sequences(60, seed=1)
+    trainer = _trainer(weighting="example", plan_cache=fitted[-1])  # the same plans
+    state, _ = trainer.fit(trainer.init(_params(), sequences[0]), sequences)
+    assert_trees_close(
+        state.params, _reference(_params(), _batches(sequences, trainer), "example"), 2e-5
+    )
+
+
+def test_token_weighting_reports_the_mean_loss_per_real_token(fitted):
+    sequences = _sequences(40, seed=3)
+    trainer = _trainer(plan_cache=fitted[-1])
+    state = trainer.init(_params(), sequences[0])
+    params = state.params
+    _, metrics = trainer.step(state, _batches(sequences, trainer)[0])
+    batch = _batches(sequences, trainer)[0].batch
+    logits = MODEL.apply({"params": params}, batch["tokens"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["tokens"][:, 1:])
+    valid = batch["mask"][:, 1:]
+    np.testing.assert_allclose(metrics["loss"], np.sum(ce * valid) / valid.sum(), rtol=1e-5)
+    assert metrics["tokens"] == valid.sum()
+    assert metrics["padded_tokens"] == batch["mask"].size
+
+
+def test_an_out_of_memory_in_one_bucket_loses_nothing(fitted, tmp_path):
+    sequences = _sequences(120)
+    cache = shutil.copy(fitted[-1], tmp_path)  # the shrunk plan is stored: keep it apart
+    trainer = _trainer(plan_cache=cache)
+    state = trainer.init(_params(), sequences[0])
+    batches, injected, sizes = _batches(sequences, trainer), [], {}
+    for batch in batches:
+        bucket = trainer.trainers.get(batch.length)
+        if bucket is not None and bucket.accumulation_steps > 1 and not injected:
+            # A bucket whose size already ran fails at its second micro-step.
+            sizes["before"] = bucket.micro_batch_size
+            with inject_oom(bucket, executions={2}) as faults:
+                state, metrics = trainer.step(state, batch)
+            injected, sizes["after"] = faults.injected, int(metrics["micro_batch_size"])
+        else:
+            state, _ = trainer.step(state, batch)
+    assert injected and sizes["after"] < sizes["before"]
+    assert_trees_close(state.params, _reference(_params(), batches, "token"), 2e-5)
+
+
+def test_each_bucket_gets_the_exact_largest_size_and_the_plan_cache_keeps_them(fitted):
+    trainer, _, _, _, cache = fitted
+
+    def fits(bucket, size):
+        return ja.estimate_peak_bytes(bucket.compile(size)) <= LIMIT
+
+    for length, bucket in trainer.trainers.items():  # the largest: its neighbour does not fit
+        m = bucket.micro_batch_size
+        assert fits(bucket, m) and not fits(bucket, m + 1), length
+    bucket = trainer.trainers[8]  # and by brute force, in one bucket
+    assert bucket.micro_batch_size == max(s for s in range(1, 9) if fits(bucket, s))
+    sequences = _sequences(120)
+    again = _trainer(plan_cache=cache)
+    again.fit(again.init(_params(), sequences[0]), sequences)
+    assert [b["compiles"] for b in again.bucket_log] == [0] * len(BUCKETS)
+    assert {b["length"]: b["micro_batch_size"] for b in again.bucket_log} == {
+        b["length"]: b["micro_batch_size"] for b in trainer.bucket_log
+    }
+
+
+def test_a_new_bucket_starts_its_search_at_the_predicted_size(fitted):
+    trainer = fitted[0]
+    later = [b for b in trainer.bucket_log if b["predicted_micro_batch_size"] is not None]
+    assert later, trainer.bucket_log
+    for entry in later:
+        first = trainer.trainers[entry["length"]].search_log[0]
+        assert first.size == max(1, entry["predicted_micro_batch_size"])
+
+
+def test_predict_line_recovers_a_peak_linear_in_tokens_and_attention():
+    def peak(length, m):
+        return 5_000 + 20 * length + m * (7 * length + 2 * length**2)
+
+    seen = {(length, m): peak(length, m) for length in (32, 128) for m in (3, 8, 20)}
+    intercept, slope = ja.predict_line(seen, 64, capacity=10**6)
+    assert intercept == pytest.approx(peak(64, 0), rel=1e-6)
+    assert slope == pytest.approx(peak(64, 1) - peak(64, 0), rel=1e-6)
+    model = ja.MemoryModel(prior=(intercept, slope))
+    assert model.largest_within(peak(64, 11)) == 11
+
+
+def test_buckets_group_a_stream_without_losing_or_repeating_a_sequence():
+    sequences = [{"t": np.full(n, i)} for i, n in enumerate([3, 9, 4, 2, 12, 16, 1, 7, 5])]
+    batches = list(ja.bucket_batches(sequences, {4: 2, 8: 2, 16: 2}))
+    seen = [int(row[0]) for b in batches for row in b.batch["t"]]
+    assert len(seen) == len(set(seen))
+    assert sorted(seen) == [0, 1, 2, 3, 4, 6, 7, 8]  # 5 (length 16) waits for a partner
+    for b in batches:
+        lengths = b.batch["mask"].sum(axis=1)
+        assert all(ja.bucket_for(int(n), (4, 8, 16)) == b.length for n in lengths)
+    assert ja.pow2_buckets(100) == (16, 32, 64, 100)
+    assert ja.pow2_buckets(64, min_length=8) == (8, 16, 32, 64)
+
+
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match="exactly one of"):
+        ja.BucketedTrainer(gpt_token_loss(MODEL), OPTIMIZER, buckets=BUCKETS)
+    with pytest.raises(ValueError, match="largest bucket"):
+        _trainer(target_tokens=8)
+    with pytest.raises(ValueError, match="longer than the largest bucket 16"):
+        ja.bucket_for(17, BUCKETS)
+    trainer = _trainer()
+    with pytest.raises(RuntimeError, match="init"):
+        trainer.step(None, ja.BucketBatch(4, {}))
