@@ -22,6 +22,7 @@ from jax_adaptive.data import (
     leading_size,
     micro_batches,
     synthetic_images,
+    synthetic_sequences,
 )
 from jax_adaptive.distributed import data_mesh, place, process_any, process_min
 from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
@@ -76,5 +77,6 @@ __all__ = [
     "process_min",
     "search_max_size",
     "synthetic_images",
+    "synthetic_sequences",
     "testing",
 ]

@@ -17,7 +17,14 @@ import numpy as np
 
 from jax_adaptive.oom import HostOutOfMemory
 
-__all__ = ["MicroBatch", "Rebatcher", "leading_size", "micro_batches", "synthetic_images"]
+__all__ = [
+    "MicroBatch",
+    "Rebatcher",
+    "leading_size",
+    "micro_batches",
+    "synthetic_images",
+    "synthetic_sequences",
+]
 
 
 class MicroBatch(NamedTuple):
@@ -194,3 +201,50 @@ def synthetic_images(
     labels = rng.integers(0, num_classes, size=num_examples).astype(np.int32)
     noise = rng.normal(size=(num_examples, *image_shape)).astype(np.float32)
     return {"image": noise + patterns[labels], "label": labels}
+
+
+def synthetic_sequences(
+    num_sequences: int | None = None,
+    *,
+    vocab_size: int = 64,
+    max_length: int = 256,
+    median_length: float = 48.0,
+    sigma: float = 0.8,
+    min_length: int = 4,
+    seed: int = 0,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Token sequences of log-normal lengths with a learnable rule, as language data has.
+
+    Each sequence counts up from a random start by its own random step (1 to 7), modulo
+    ``vocab_size``: after two tokens every next token is predictable, so a language
+    model's loss falls from ``log(vocab_size)`` towards zero. Lengths are log-normal
+    (median ``median_length``, log-space deviation ``sigma``), clipped to
+    ``[min_length, max_length]``: many short sequences and a long tail.
+
+    Args:
+        num_sequences: how many; None for an endless stream.
+        vocab_size: the number of token ids.
+        max_length: the longest sequence.
+        median_length: the median length.
+        sigma: the spread of the log-lengths.
+        min_length: the shortest sequence.
+        seed: the stream's seed.
+
+    Yields:
+        ``{"tokens": int32[length]}``.
+
+    Example:
+        >>> tokens = next(synthetic_sequences(seed=1))["tokens"]
+        >>> steps = np.diff(tokens) % 64  # one step throughout: predictable
+        >>> len(set(steps.tolist())), 4 <= len(tokens) <= 256
+        (1, True)
+    """
+    if not 1 <= min_length <= max_length:
+        raise ValueError(f"need 1 <= {min_length=} <= {max_length=}.")
+    rng = np.random.default_rng(seed)
+    count = 0
+    while num_sequences is None or count < num_sequences:
+        length = int(np.clip(rng.lognormal(np.log(median_length), sigma), min_length, max_length))
+        start, step = rng.integers(0, vocab_size), rng.integers(1, 8)
+        yield {"tokens": ((start + step * np.arange(length)) % vocab_size).astype(np.int32)}
+        count += 1

@@ -34,6 +34,7 @@ from jax_adaptive.models import (
     linen_classifier_loss,
 )
 from jax_adaptive.plan_cache import enable_compilation_cache
+from jax_adaptive.train_lm import train_gpt
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]
@@ -97,11 +98,20 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 10
     progress: bool = True
+    target_tokens: int | None = None  # --model gpt: padded tokens per update
+    max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
+
+
+_CHOICES = (*_MODELS, "gpt")
 
 
 def _check(config: TrainConfig) -> None:
-    if config.model not in _MODELS:
-        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(_MODELS)}.")
+    if config.model not in _CHOICES:
+        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(_CHOICES)}.")
+    if config.target_tokens is not None and config.model != "gpt":
+        raise ValueError(
+            "--target-tokens is for --model gpt; image models take --target-batch-size."
+        )
     if config.optimizer not in _OPTIMIZERS:
         raise ValueError(
             f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(_OPTIMIZERS)}."
@@ -137,6 +147,8 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
     _check(config)
     if config.compilation_cache is not None:
         enable_compilation_cache(config.compilation_cache)
+    if config.model == "gpt":
+        return train_gpt(config, _OPTIMIZERS[config.optimizer](config.learning_rate), out=out)
     workdir = None if config.workdir is None else Path(config.workdir).absolute()
     run = {f: getattr(config, f) for f in _RUN_FIELDS}
     checkpoints = None if workdir is None else Checkpoints(workdir / "checkpoints", run)
@@ -292,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="cnn",
-        choices=sorted(_MODELS),
-        help="the zoo model to train (default: cnn)",
+        choices=sorted(_CHOICES),
+        help="the zoo model to train (default: cnn); gpt trains on synthetic sequences of "
+        "mixed lengths, bucketed, with --target-tokens",
     )
     parser.add_argument(
         "--dataset",
@@ -307,6 +320,19 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=256,
         help="examples per optimizer update (default: 256)",
+    )
+    parser.add_argument(
+        "--target-tokens",
+        type=int,
+        default=None,
+        help="--model gpt: padded tokens per update (default 4096); an update of bucket L "
+        "holds target-tokens // L sequences, its loss the mean over their real tokens",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=256,
+        help="--model gpt: the longest sequence; buckets are powers of two up to it",
     )
     parser.add_argument(
         "--micro-batch-size",

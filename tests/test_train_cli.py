@@ -133,6 +133,8 @@ def test_a_mocked_tfds_dataset_trains_from_the_cli(tmp_path):
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'; use 'synthetic' or 'tfds:NAME'"),
         (["--dataset", "tfds:mnist", "--data-dir", "/nonexistent"], "tfds build mnist"),
         (["--resume"], "--resume needs --workdir"),
+        (["--target-tokens", "512"], "--target-tokens is for --model gpt"),
+        (["--model", "gpt", "--dataset", "tfds:mnist"], "use --dataset synthetic"),
     ],
 )
 def test_bad_input_is_one_line_with_the_fix(flags, message, capsys):
@@ -156,3 +158,21 @@ def test_a_workdir_of_another_run_is_refused(tmp_path, capsys):
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     assert main([*flags, "--resume", "--seed", "1"]) == 2
     assert "of another run (checkpoint vs now: {'seed': (0, 1)})" in capsys.readouterr().err
+
+
+def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
+    flags = ["--model", "gpt", "--max-length", "64", "--target-tokens", "512", "--updates", "10"]
+    flags += ["--memory-limit", "4MB", "--learning-rate", "1e-2", "--no-plan-cache"]
+    assert main([*flags, "--no-progress", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    planned = [line for line in out if line.startswith("bucket ")]
+    assert len(planned) >= 2, out  # several buckets, each planned on its first use
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 10 and len({m["bucket"] for m in metrics}) >= 2
+    for m in metrics:  # a budget of padded tokens, of which the real ones are most
+        assert m["padded_tokens"] == 512 and 0 < m["tokens"] < 512
+        assert m["micro_batch_size"] < 512 // m["bucket"]  # 4MB makes every bucket shrink
+    assert metrics[-1]["loss"] < 0.85 * metrics[0]["loss"], "the loss must visibly fall"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert {b["length"] for b in plan["buckets"]} == {m["bucket"] for m in metrics}
+    assert out[-1].startswith("summary: ") and "padding" in out[-1]

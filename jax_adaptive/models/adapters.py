@@ -90,8 +90,9 @@ def gpt_token_loss(
     its size ``T``: the summed token loss per sequence. For the mean per token when
     every sequence has the same number ``n`` of valid targets (``L - 1`` unpadded),
     divide by it: ``lambda p, b, r: loss_fn(p, b, r) / n``. With padding of varying
-    length the mean per token of a target batch is not a sum over its examples;
-    divide by a fixed typical count instead.
+    length, train through `jax_adaptive.BucketedTrainer` (``count_tokens=lambda b:
+    b["mask"][:, 1:].sum(1)``): it weights each sequence so that the update is the mean
+    over the target batch's real tokens.
 
     The model is called as ``model.apply({"params": params}, tokens, train=True,
     rngs={"dropout": rng})`` and must return logits ``[m, L, vocab]``.
