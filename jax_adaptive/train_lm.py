@@ -50,6 +50,15 @@ def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
 
     Returns:
         A summary: each bucket's plan, the search compiles, the losses and the padding.
+
+    Example:
+        >>> import io, optax
+        >>> from jax_adaptive.train import TrainConfig
+        >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
+        ...                      progress=False, plan_cache=False)
+        >>> summary = train_gpt(config, optax.adam(1e-3), out=io.StringIO())
+        >>> len(summary["losses"]), [b["length"] for b in summary["buckets"]]
+        (2, [16])
     """
     _check(config)
     target_tokens = config.target_tokens or 4096

@@ -100,7 +100,7 @@ def test_mixed_lengths_equal_the_masked_full_batch_reference(fitted):
 
 
 def test_example_weighting_equals_the_mean_of_per_sequence_means(fitted):
-    sequences = _sequences(60, seed=1)
+    sequences = _sequences(40, seed=1)
     trainer = _trainer(weighting="example", plan_cache=fitted[-1])  # the same plans
     state, _ = trainer.fit(trainer.init(_params(), sequences[0]), sequences)
     assert_trees_close(
@@ -124,7 +124,7 @@ def test_token_weighting_reports_the_mean_loss_per_real_token(fitted):
 
 
 def test_an_out_of_memory_in_one_bucket_loses_nothing(fitted, tmp_path):
-    sequences = _sequences(120)
+    sequences = _sequences(60)
     cache = shutil.copy(fitted[-1], tmp_path)  # the shrunk plan is stored: keep it apart
     trainer = _trainer(plan_cache=cache)
     state = trainer.init(_params(), sequences[0])
