@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jax_adaptive.distributed import place
 from jax_adaptive.step import TrainState
 
 __all__ = ["Checkpoints"]
@@ -93,8 +94,8 @@ class Checkpoints:
         saved = jax.tree.unflatten(jax.tree.structure(target["state"]),
                                    jax.tree.leaves(restored))  # fmt: skip
         state = saved._replace(rng=jax.random.wrap_key_data(saved.rng))
-        device = jax.tree.leaves(like.params)[0].device
-        return jax.device_put(state, device), int(meta["meta"]["position"])
+        where = jax.tree.map(lambda x: x.sharding, like)  # a device, or shardings over a mesh
+        return place(state, where), int(meta["meta"]["position"])
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

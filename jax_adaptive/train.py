@@ -23,6 +23,7 @@ import tqdm
 
 from jax_adaptive.checkpoint import Checkpoints
 from jax_adaptive.datasets import ShuffledBatches, load_source
+from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import (
     CNN,
     MLP,
@@ -100,6 +101,7 @@ class TrainConfig:
     progress: bool = True
     target_tokens: int | None = None  # --model gpt: padded tokens per update
     max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
+    data_parallel: bool = False  # split each micro-batch over all devices
 
 
 _CHOICES = (*_MODELS, "gpt")
@@ -176,6 +178,7 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         has_state=bool(mutable),
         objective=config.objective,
         plan_cache=plan_cache,
+        mesh=data_mesh() if config.data_parallel else None,
     )
     example = next(ShuffledBatches(source, 1))
     variables = model.init(jax.random.key(config.seed), jnp.asarray(example["image"]))
@@ -196,6 +199,11 @@ def train(config: TrainConfig, *, out: Any = None) -> dict[str, Any]:
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {config.target_batch_size}; "
         f"{trainer.compiles} sizes compiled in {search_seconds:.1f}s"
+        + (
+            f"; {trainer.micro_batch_size // trainer.shards} per device on {trainer.shards}"
+            if trainer.shards > 1
+            else ""
+        )
         + (" (from the plan cache)" if cached else "")
         + (f"; resumed at update {done}" if done else ""),
         file=out,
@@ -346,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="cap on a micro-step's memory, e.g. 8GiB or 512MB; on a CPU "
         "it simulates a device of that size",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help=f"split each micro-batch over all {jax.device_count()} devices (one 'data' mesh "
+        "axis); the searched size is then per device",
     )
     parser.add_argument(
         "--optimizer",

@@ -20,6 +20,7 @@ import tqdm
 
 from jax_adaptive.buckets import BucketedTrainer, pow2_buckets
 from jax_adaptive.data import synthetic_sequences
+from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
 
 __all__ = ["train_gpt"]
@@ -76,6 +77,7 @@ def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
         memory_limit=config.memory_limit,
         objective=config.objective,
         plan_cache=plan_cache,
+        mesh=data_mesh() if config.data_parallel else None,
     )
     sequences = synthetic_sequences(
         vocab_size=VOCAB_SIZE, max_length=config.max_length, seed=config.seed

@@ -774,7 +774,7 @@ class AdaptiveTrainer:
     def _key(self) -> str:
         """The plan cache's key: what decides the plan (see `jax_adaptive.plan_cache`)."""
         if self._plan_key is None:
-            fingerprint = hashlib.sha256(self._lowered(1).as_text().encode()).hexdigest()
+            fingerprint = hashlib.sha256(self._lowered(self.shards).as_text().encode()).hexdigest()
             self._plan_key = plan_key(
                 platform=self.device.platform,
                 device_kind=self.device.device_kind,

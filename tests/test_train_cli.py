@@ -1,4 +1,5 @@
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -176,3 +177,28 @@ def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert {b["length"] for b in plan["buckets"]} == {m["bucket"] for m in metrics}
     assert out[-1].startswith("summary: ") and "padding" in out[-1]
+
+
+def _losses(stdout):
+    return [float(line.split("loss")[1].split()[0]) for line in stdout.splitlines()
+            if line.startswith("update")]  # fmt: skip
+
+
+def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_path, capsys):
+    flags = ["--target-batch-size", "256", "--memory-limit", "1.6MB"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    workdir = ["--data-parallel", "--workdir", tmp_path, "--checkpoint-every", "2"]
+    workdir += ["--plan-cache", tmp_path / "plans.json"]  # the resumed run searches no more
+    runs = [
+        subprocess.run(_cli(*flags, *workdir, *more), env=env, capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+        for more in (["--updates", "2"], ["--updates", "3", "--resume"])
+    ]  # fmt: skip
+    assert main([*flags, "--updates", "3", "--no-progress", "--no-plan-cache"]) == 0
+    single = capsys.readouterr().out
+    one = int(single.splitlines()[0].split("micro-batch ")[1].split()[0])
+    plan = runs[0].splitlines()[0]
+    assert f"; {one} per device on 8" in plan, (plan, one)  # the same cap, per device
+    assert plan.startswith(f"plan: micro-batch {8 * one} x ")
+    assert "resumed at update 2" in runs[1].splitlines()[0]
+    np.testing.assert_allclose(_losses(runs[0]) + _losses(runs[1]), _losses(single), rtol=1e-4)
