@@ -149,7 +149,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for offset, (name, run) in zip((-0.2, 0.2), result["runs"].items(), strict=True):
-        labels = [str(b["length"]) for b in run["buckets"]]
+        labels = [str(b["bucket"]) for b in run["buckets"]]
         xs = np.arange(len(labels)) + offset
         left.bar(xs, [b["compiles"] for b in run["buckets"]], width=0.4, label=name)
     left.set_xticks(range(len(labels)), labels)

@@ -8,6 +8,7 @@ Example:
 
 from jax_adaptive import testing
 from jax_adaptive.buckets import (
+    Bucket,
     BucketBatch,
     BucketedTrainer,
     bucket_batches,
@@ -39,6 +40,7 @@ from jax_adaptive.trainer import (
 
 __all__ = [
     "AdaptiveTrainer",
+    "Bucket",
     "BucketBatch",
     "BucketedTrainer",
     "HostOutOfMemory",

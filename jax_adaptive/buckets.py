@@ -1,7 +1,8 @@
 """Variable input shapes: shape buckets, a plan per bucket, token budgets.
 
 A sequence is padded to the smallest bucket that holds it (with a mask), so a run
-compiles one micro-step per bucket and micro-batch size, not one per length. Each update
+compiles one micro-step per bucket and micro-batch size, not one per length (a bucket may
+also be a shape of several axes, ``(H, W)`` for images of varying resolution). Each update
 takes the sequences of one bucket (as ``tf.data``'s ``bucket_by_sequence_length`` does),
 and `BucketedTrainer` keeps one `AdaptiveTrainer` per bucket, sharing one train state:
 each bucket's plan (micro-batch size, compiled executable) is searched on the bucket's
@@ -38,6 +39,7 @@ from jax_adaptive.step import Params, TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
+    "Bucket",
     "BucketBatch",
     "BucketedTrainer",
     "bucket_batches",
@@ -47,7 +49,7 @@ __all__ = [
     "predict_line",
 ]
 
-Weighting = Literal["token", "example"]
+Weighting = Literal["token", "example", "none"]
 _WEIGHT = "_jax_adaptive_weight"  # the per-sequence weight the trainer adds to a batch
 
 
@@ -68,119 +70,157 @@ def pow2_buckets(max_length: int, min_length: int = 16) -> tuple[int, ...]:
     return (*sizes, max_length)
 
 
-def bucket_for(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds ``length``.
+Bucket = int | tuple[int, ...]
+"""A bucket: a length (sequences), or a shape of the leading axes (``(H, W)`` images)."""
+
+
+def _dims(bucket: Bucket) -> tuple[int, ...]:
+    return (int(bucket),) if isinstance(bucket, int | np.integer) else tuple(map(int, bucket))
+
+
+def _volume(bucket: Bucket) -> int:
+    return int(np.prod(_dims(bucket)))
+
+
+def _key(bucket: Bucket) -> Bucket:
+    """A bucket as a dict key: an int for one axis, a tuple of ints for several."""
+    dims = _dims(bucket)
+    return dims[0] if len(dims) == 1 and not isinstance(bucket, tuple) else dims
+
+
+def bucket_for(shape: Bucket, buckets: Sequence[Bucket]) -> Bucket:
+    """The smallest bucket (fewest positions) that holds ``shape`` in every axis.
 
     Raises:
-        ValueError: when the length exceeds the largest bucket.
+        ValueError: when no bucket holds it.
 
     Example:
         >>> bucket_for(33, (16, 32, 64))
         64
+        >>> bucket_for((20, 40), [(32, 32), (64, 64), (32, 64)])
+        (32, 64)
     """
-    for bucket in sorted(buckets):
-        if length <= bucket:
-            return bucket
-    raise ValueError(
-        f"a sequence of length {length} is longer than the largest bucket {max(buckets)}: "
-        "add a bucket or truncate the sequences."
-    )
+    dims = _dims(shape)
+    holding = [b for b in buckets if len(_dims(b)) == len(dims)]
+    holding = [b for b in holding if all(d <= c for d, c in zip(dims, _dims(b), strict=True))]
+    if not holding:
+        what = f"length {dims[0]}" if len(dims) == 1 else f"shape {dims}"
+        raise ValueError(
+            f"an example of {what} does not fit any bucket of {list(buckets)}: add a bucket "
+            "or truncate the examples."
+        )
+    return min(holding, key=_volume)
 
 
-def _length(sequence: Mapping[str, Any]) -> int:
-    lengths = {np.shape(v)[0] for v in sequence.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"a sequence's fields disagree in length: {sorted(lengths)}.")
-    return lengths.pop()
+def _shape(example: Mapping[str, Any], axes: int) -> tuple[int, ...]:
+    shapes = {tuple(np.shape(v)[:axes]) for v in example.values() if np.ndim(v) >= axes}
+    if len(shapes) != 1:
+        raise ValueError(f"an example's fields disagree in their variable axes: {sorted(shapes)}.")
+    return shapes.pop()
 
 
 def pad_to_bucket(
-    sequences: Sequence[Mapping[str, Any]], length: int, mask_key: str = "mask"
+    examples: Sequence[Mapping[str, Any]], bucket: Bucket, mask_key: str = "mask"
 ) -> dict[str, np.ndarray]:
-    """Stacks sequences (dicts of ``[len_i, ...]`` arrays) into ``[n, length, ...]`` arrays.
+    """Stacks examples (dicts of arrays) into ``[n, *bucket, ...]`` arrays, zero-padded.
 
-    Each field is padded with zeros at the end; ``mask_key`` marks the real positions.
+    The bucket's axes are each field's leading ones (a sequence's length, an image's
+    height and width); ``mask_key``, of shape ``[n, *bucket]``, marks the real positions.
+    Fields with fewer dimensions than the bucket has axes (a label) are stacked as they
+    are.
 
     Example:
         >>> batch = pad_to_bucket([{"tokens": np.arange(3)}, {"tokens": np.arange(1)}], 4)
         >>> batch["tokens"].tolist(), batch["mask"].sum(axis=1).tolist()
         ([[0, 1, 2, 0], [0, 0, 0, 0]], [3, 1])
     """
-    if not sequences:
-        raise ValueError("pad_to_bucket needs at least one sequence.")
-    lengths = [_length(s) for s in sequences]
-    if max(lengths) > length:
-        raise ValueError(f"a sequence of length {max(lengths)} does not fit the bucket {length}.")
+    if not examples:
+        raise ValueError("pad_to_bucket needs at least one example.")
+    dims = _dims(bucket)
+    shapes = [_shape(e, len(dims)) for e in examples]
+    for shape in shapes:
+        if bucket_for(shape, [bucket]) != bucket:  # raises when it does not fit
+            raise AssertionError  # pragma: no cover
     out = {}
-    for key, first in sequences[0].items():
+    for key, first in examples[0].items():
         first = np.asarray(first)
-        field = np.zeros((len(sequences), length, *first.shape[1:]), first.dtype)
-        for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
-            field[row, :n] = seq[key]
+        if first.ndim < len(dims):
+            out[key] = np.stack([np.asarray(e[key]) for e in examples])
+            continue
+        field = np.zeros((len(examples), *dims, *first.shape[len(dims) :]), first.dtype)
+        for row, (example, shape) in enumerate(zip(examples, shapes, strict=True)):
+            field[(row, *map(slice, shape))] = example[key]
         out[key] = field
-    mask = np.zeros((len(sequences), length), bool)
-    for row, n in enumerate(lengths):
-        mask[row, :n] = True
+    mask = np.zeros((len(examples), *dims), bool)
+    for row, shape in enumerate(shapes):
+        mask[(row, *map(slice, shape))] = True
     out[mask_key] = mask
     return out
 
 
 class BucketBatch(NamedTuple):
-    """One update's sequences, all of one bucket, padded to it."""
+    """One update's examples, all of one bucket, padded to it."""
 
-    length: int
+    bucket: Bucket
     batch: dict[str, np.ndarray]
 
 
 def bucket_batches(
-    sequences: Iterable[Mapping[str, Any]],
-    sizes: Mapping[int, int],
+    examples: Iterable[Mapping[str, Any]],
+    sizes: Mapping[Bucket, int],
     mask_key: str = "mask",
 ) -> Iterator[BucketBatch]:
-    """Groups a stream of sequences into padded batches of one bucket each.
+    """Groups a stream of examples into padded batches of one bucket each.
 
-    A bucket's batch is emitted as soon as it holds ``sizes[bucket]`` sequences, so the
-    stream's order is kept within a bucket and no sequence is dropped or seen twice;
+    A bucket's batch is emitted as soon as it holds ``sizes[bucket]`` examples, so the
+    stream's order is kept within a bucket and no example is dropped or seen twice;
     what is left in the buckets when the stream ends is not emitted.
 
     Args:
-        sequences: dicts of ``[len, ...]`` arrays.
-        sizes: sequences per batch, for each bucket length.
+        examples: dicts of arrays whose leading axes vary (``[len, ...]`` sequences).
+        sizes: examples per batch, for each bucket.
         mask_key: the mask's name in the batches.
 
     Example:
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
-        >>> [(b.length, len(b.batch["t"])) for b in bucket_batches(stream, {4: 2, 16: 2})]
+        >>> [(b.bucket, len(b.batch["t"])) for b in bucket_batches(stream, {4: 2, 16: 2})]
         [(4, 2), (16, 2)]
     """
-    pending: dict[int, list[Mapping[str, Any]]] = {length: [] for length in sizes}
-    for sequence in sequences:
-        length = bucket_for(_length(sequence), sizes)
-        pending[length].append(sequence)
-        if len(pending[length]) == sizes[length]:
-            yield BucketBatch(length, pad_to_bucket(pending[length], length, mask_key))
-            pending[length] = []
+    axes = len(_dims(next(iter(sizes))))
+    pending: dict[Bucket, list[Mapping[str, Any]]] = {bucket: [] for bucket in sizes}
+    for example in examples:
+        bucket = bucket_for(_shape(example, axes), list(sizes))
+        pending[bucket].append(example)
+        if len(pending[bucket]) == sizes[bucket]:
+            yield BucketBatch(bucket, pad_to_bucket(pending[bucket], bucket, mask_key))
+            pending[bucket] = []
 
 
 def _default_counts(batch: Mapping[str, Any], mask_key: str = "mask") -> np.ndarray:
-    return np.asarray(batch[mask_key]).sum(axis=1)
+    mask = np.asarray(batch[mask_key])
+    return mask.reshape(len(mask), -1).sum(axis=1)
 
 
 class BucketedTrainer:
-    """Trains on sequences of varying length: one plan per shape bucket, exact updates.
+    """Trains on inputs of varying shape: one plan per shape bucket, exact updates.
 
     Args:
-        loss_fn: ``(params, batch, rng) -> [m]``, each sequence's loss summed over its
-            real tokens (`jax_adaptive.models.gpt_token_loss` is one); the batch holds
-            the padded fields ``[m, L, ...]`` and ``mask_key``.
+        loss_fn: ``(params, batch, rng) -> [m]``, each example's loss summed over its
+            real positions (`jax_adaptive.models.gpt_token_loss` is one); the batch holds
+            the padded fields ``[m, *bucket, ...]`` and ``mask_key`` (``[m, *bucket]``).
+            The model must keep padding out of the real positions (a causal model with
+            padding at the end does; a convolution must mask between layers).
         optimizer: any ``optax.GradientTransformation``.
-        buckets: the bucket lengths (`pow2_buckets` gives the default policy).
-        target_tokens: padded tokens per update: an update of bucket ``L`` takes
-            ``target_tokens // L`` sequences. Give this or ``target_batch_size``.
+        buckets: the bucket lengths (`pow2_buckets` gives the default policy), or
+            shapes of several leading axes, such as ``(H, W)`` for images.
+        target_tokens: padded positions per update: an update of bucket ``L`` takes
+            ``target_tokens // L`` examples (``// (H * W)`` for a shape). Give this or
+            ``target_batch_size``.
         target_batch_size: sequences per update, whatever the bucket.
         weighting: ``"token"`` (each real token weighs the same: the update's gradient is
-            the sum of token losses over its real token count) or ``"example"`` (each
-            sequence weighs the same: the mean of per-token means).
+            the sum of token losses over its real token count), ``"example"`` (each
+            sequence weighs the same: the mean of per-token means) or ``"none"`` (the
+            loss is already each example's, such as a classifier's: their mean).
         count_tokens: ``batch -> [n]`` real tokens per sequence, as the loss counts them
             (``mask.sum(axis=1)`` by default; for next-token prediction,
             ``mask[:, 1:].sum(axis=1)``).
@@ -207,7 +247,7 @@ class BucketedTrainer:
         loss_fn: Callable[..., Any],
         optimizer: optax.GradientTransformation,
         *,
-        buckets: Sequence[int],
+        buckets: Sequence[Bucket],
         target_tokens: int | None = None,
         target_batch_size: int | None = None,
         weighting: Weighting = "token",
@@ -218,16 +258,18 @@ class BucketedTrainer:
     ):
         if (target_tokens is None) == (target_batch_size is None):
             raise ValueError("give exactly one of target_tokens and target_batch_size.")
-        buckets = tuple(sorted({int(b) for b in buckets}))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"buckets must be positive lengths, got {buckets}.")
-        if target_tokens is not None and target_tokens < buckets[-1]:
+        buckets = tuple(sorted({_key(b) for b in buckets}, key=_volume))
+        if not buckets or min(min(_dims(b)) for b in buckets) < 1:
+            raise ValueError(f"buckets must be positive lengths or shapes, got {buckets}.")
+        if len({len(_dims(b)) for b in buckets}) != 1:
+            raise ValueError(f"the buckets {buckets} must all have the same number of axes.")
+        if target_tokens is not None and target_tokens < _volume(buckets[-1]):
             raise ValueError(
                 f"{target_tokens=} is less than the largest bucket {buckets[-1]}: an update "
-                "must hold at least one sequence of every bucket."
+                "must hold at least one example of every bucket."
             )
-        if weighting not in ("token", "example"):
-            raise ValueError(f"{weighting=} must be 'token' or 'example'.")
+        if weighting not in ("token", "example", "none"):
+            raise ValueError(f"{weighting=} must be 'token', 'example' or 'none'.")
         if "has_aux" in trainer_kwargs or "has_state" in trainer_kwargs:
             raise ValueError("BucketedTrainer takes a plain per-sequence loss (no aux, no state).")
         self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -236,13 +278,14 @@ class BucketedTrainer:
         self.count_tokens = count_tokens or (lambda b: _default_counts(b, mask_key))
         self.predict = predict
         self.trainer_kwargs = trainer_kwargs
-        self.trainers: dict[int, AdaptiveTrainer] = {}
+        self.axes = len(_dims(buckets[0]))
+        self.trainers: dict[Bucket, AdaptiveTrainer] = {}
         self.bucket_log: list[dict[str, Any]] = []  # one entry per bucket, in first use
-        self._points: dict[tuple[int, int], int] = {}  # (length, size) -> estimated bytes
+        self._points: dict[tuple[int, int], int] = {}  # (positions, size) -> estimated bytes
         self._params: Params | None = None
 
-    def examples_per_update(self, length: int) -> int:
-        """Sequences in an update of bucket ``length``.
+    def examples_per_update(self, bucket: Bucket) -> int:
+        """Examples in an update of ``bucket``.
 
         Example:
             >>> import optax, jax_adaptive as ja
@@ -252,18 +295,18 @@ class BucketedTrainer:
         """
         if self.target_batch_size is not None:
             return self.target_batch_size
-        return self.target_tokens // length
+        return self.target_tokens // _volume(bucket)
 
     def init(
         self, params: Params, example: Mapping[str, Any], *, rng: jax.Array | None = None
     ) -> TrainState:
-        """Builds the train state from one example sequence (a dict of ``[len, ...]``).
+        """Builds the train state from one example (a dict of ``[len, ...]`` arrays).
 
         The example's bucket is planned here, the others on their first use in `step`.
         """
         self._example = {k: np.asarray(v) for k, v in example.items()}
         self._params, self._rng = params, rng
-        return self._trainer(bucket_for(_length(self._example), self.buckets))[1]
+        return self._trainer(bucket_for(_shape(self._example, self.axes), self.buckets))[1]
 
     def step(self, state: TrainState, batch: BucketBatch) -> tuple[TrainState, dict[str, Any]]:
         """Runs one exact update on one bucket's padded batch (`bucket_batches` makes them).
@@ -275,10 +318,11 @@ class BucketedTrainer:
         """
         if self._params is None:
             raise RuntimeError("call trainer.init(params, example) first.")
-        length, padded = batch
-        if length not in self.buckets:
-            raise ValueError(f"{length} is not one of the buckets {self.buckets}.")
-        trainer, _ = self._trainer(length)
+        bucket, padded = batch
+        bucket = _key(bucket)
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not one of the buckets {self.buckets}.")
+        trainer, _ = self._trainer(bucket)
         counts = np.asarray(self.count_tokens(padded))
         n = len(counts)
         total = int(counts.sum())
@@ -286,11 +330,13 @@ class BucketedTrainer:
             raise ValueError("the batch has no real tokens.")
         if self.weighting == "token":
             weight = np.full(n, n / total, np.float32)
+        elif self.weighting == "none":
+            weight = np.ones(n, np.float32)
         else:
             weight = (1.0 / np.maximum(counts, 1)).astype(np.float32)
         state, metrics = trainer.step(state, {**padded, _WEIGHT: weight})
         padding = int(np.size(padded[self.mask_key]))
-        return state, {**metrics, "bucket": length, "tokens": total, "padded_tokens": padding}
+        return state, {**metrics, "bucket": bucket, "tokens": total, "padded_tokens": padding}
 
     def fit(
         self,
@@ -305,7 +351,7 @@ class BucketedTrainer:
         Returns:
             The state and one metrics dict (host values) per update.
         """
-        sizes = {length: self.examples_per_update(length) for length in self.buckets}
+        sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
         history: list[dict[str, Any]] = []
         for batch in bucket_batches(sequences, sizes, self.mask_key):
             state, metrics = self.step(state, batch)
@@ -329,33 +375,36 @@ class BucketedTrainer:
         weight = batch.pop(_WEIGHT)
         return self.loss_fn(params, batch, rng) * weight
 
-    def _trainer(self, length: int) -> tuple[AdaptiveTrainer, TrainState]:
+    def _trainer(self, bucket: Bucket) -> tuple[AdaptiveTrainer, TrainState | None]:
         """The bucket's trainer, planning it on first use; and the state it built."""
-        if length in self.trainers:
-            return self.trainers[length], None
-        size = self.examples_per_update(length)
+        if bucket in self.trainers:
+            return self.trainers[bucket], None
+        size, dims, positions = self.examples_per_update(bucket), _dims(bucket), _volume(bucket)
         trainer = AdaptiveTrainer(
             self._weighted_loss, self.optimizer, target_batch_size=size, **self.trainer_kwargs
         )
         example = {
-            k: np.zeros((1, length, *v.shape[1:]), v.dtype) for k, v in self._example.items()
+            k: np.zeros(
+                (1, *dims, *v.shape[self.axes :]) if v.ndim >= self.axes else (1, *v.shape), v.dtype
+            )
+            for k, v in self._example.items()
         }
-        example[self.mask_key] = np.ones((1, length), bool)
+        example[self.mask_key] = np.ones((1, *dims), bool)
         example[_WEIGHT] = np.ones(1, np.float32)
-        prior = self._predicted_line(length) if self.predict else None
+        prior = self._predicted_line(positions) if self.predict else None
         trainer.memory_model = MemoryModel(prior=prior)
         start, compiles = time.perf_counter(), trainer.compiles
         state = trainer.init(self._params, example, rng=self._rng)
         for s, nbytes in trainer.memory_model.points.items():
-            self._points[(length, s)] = nbytes
+            self._points[(positions, s)] = nbytes
         capacity = trainer.capacity()
         predicted = None
         if prior is not None and capacity is not None:
             predicted = MemoryModel(prior=prior).largest_within(capacity)
-        self.trainers[length] = trainer
+        self.trainers[bucket] = trainer
         self.bucket_log.append(
             {
-                "length": length,
+                "bucket": bucket,
                 "examples_per_update": size,
                 "micro_batch_size": trainer.micro_batch_size,
                 "accumulation_steps": trainer.accumulation_steps,
@@ -366,11 +415,11 @@ class BucketedTrainer:
         )
         return trainer, state
 
-    def _predicted_line(self, length: int) -> tuple[float, float] | None:
+    def _predicted_line(self, positions: int) -> tuple[float, float] | None:
         capacity = next(iter(self.trainers.values())).capacity() if self.trainers else None
         if capacity is None:
             return None
-        return predict_line(self._points, length, capacity)
+        return predict_line(self._points, positions, capacity)
 
 
 def predict_line(
@@ -383,8 +432,9 @@ def predict_line(
     (its line scaled by the length) and of ``a + b L + m (c L + d L^2)`` from two on.
 
     Args:
-        points: ``{(length, size): estimated bytes}`` of the buckets seen.
-        length: the new bucket.
+        points: ``{(length, size): estimated bytes}`` of the buckets seen; a bucket's
+            length is its number of positions (``H * W`` for an image shape).
+        length: the new bucket's.
         capacity: the bytes a micro-step may use.
 
     Returns:

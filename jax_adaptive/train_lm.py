@@ -58,7 +58,7 @@ def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
         >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
         ...                      progress=False, plan_cache=False)
         >>> summary = train_gpt(config, optax.adam(1e-3), out=io.StringIO())
-        >>> len(summary["losses"]), [b["length"] for b in summary["buckets"]]
+        >>> len(summary["losses"]), [b["bucket"] for b in summary["buckets"]]
         (2, [16])
     """
     _check(config)
@@ -96,7 +96,7 @@ def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
         nonlocal planned, tokens, padded
         for entry in trainer.bucket_log[planned:]:
             tqdm.tqdm.write(
-                f"bucket {entry['length']}: micro-batch {entry['micro_batch_size']} x "
+                f"bucket {entry['bucket']}: micro-batch {entry['micro_batch_size']} x "
                 f"{entry['accumulation_steps']} = {entry['examples_per_update']} sequences; "
                 f"{entry['compiles']} sizes compiled in {entry['seconds']:.1f}s",
                 file=out,

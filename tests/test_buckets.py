@@ -93,9 +93,9 @@ def test_mixed_lengths_equal_the_masked_full_batch_reference(fitted):
     assert len(history) == len(batches) >= 6
     assert {h["bucket"] for h in history} == set(BUCKETS)
     # Micro-batches smaller than the update, some not dividing it (masked padding rows).
-    steps = {b["length"]: b["accumulation_steps"] for b in trainer.bucket_log}
+    steps = {b["bucket"]: b["accumulation_steps"] for b in trainer.bucket_log}
     assert steps[16] > 1 and steps[8] > 1, trainer.bucket_log
-    assert any(4 * 16 // b["length"] % b["micro_batch_size"] for b in trainer.bucket_log)
+    assert any(4 * 16 // b["bucket"] % b["micro_batch_size"] for b in trainer.bucket_log)
     assert_trees_close(state.params, _reference(_params(), batches, "token"), 2e-5)
 
 
@@ -130,7 +130,7 @@ def test_an_out_of_memory_in_one_bucket_loses_nothing(fitted, tmp_path):
     state = trainer.init(_params(), sequences[0])
     batches, injected, sizes = _batches(sequences, trainer), [], {}
     for batch in batches:
-        bucket = trainer.trainers.get(batch.length)
+        bucket = trainer.trainers.get(batch.bucket)
         if bucket is not None and bucket.accumulation_steps > 1 and not injected:
             # A bucket whose size already ran fails at its second micro-step.
             sizes["before"] = bucket.micro_batch_size
@@ -158,8 +158,8 @@ def test_each_bucket_gets_the_exact_largest_size_and_the_plan_cache_keeps_them(f
     again = _trainer(plan_cache=cache)
     again.fit(again.init(_params(), sequences[0]), sequences)
     assert [b["compiles"] for b in again.bucket_log] == [0] * len(BUCKETS)
-    assert {b["length"]: b["micro_batch_size"] for b in again.bucket_log} == {
-        b["length"]: b["micro_batch_size"] for b in trainer.bucket_log
+    assert {b["bucket"]: b["micro_batch_size"] for b in again.bucket_log} == {
+        b["bucket"]: b["micro_batch_size"] for b in trainer.bucket_log
     }
 
 
@@ -168,7 +168,7 @@ def test_a_new_bucket_starts_its_search_at_the_predicted_size(fitted):
     later = [b for b in trainer.bucket_log if b["predicted_micro_batch_size"] is not None]
     assert later, trainer.bucket_log
     for entry in later:
-        first = trainer.trainers[entry["length"]].search_log[0]
+        first = trainer.trainers[entry["bucket"]].search_log[0]
         assert first.size == max(1, entry["predicted_micro_batch_size"])
 
 
@@ -192,7 +192,7 @@ def test_buckets_group_a_stream_without_losing_or_repeating_a_sequence():
     assert sorted(seen) == [0, 1, 2, 3, 4, 6, 7, 8]  # 5 (length 16) waits for a partner
     for b in batches:
         lengths = b.batch["mask"].sum(axis=1)
-        assert all(ja.bucket_for(int(n), (4, 8, 16)) == b.length for n in lengths)
+        assert all(ja.bucket_for(int(n), (4, 8, 16)) == b.bucket for n in lengths)
     assert ja.pow2_buckets(100) == (16, 32, 64, 100)
     assert ja.pow2_buckets(64, min_length=8) == (8, 16, 32, 64)
 
@@ -202,8 +202,64 @@ def test_bad_input_gets_a_clear_error():
         ja.BucketedTrainer(gpt_token_loss(MODEL), OPTIMIZER, buckets=BUCKETS)
     with pytest.raises(ValueError, match="largest bucket"):
         _trainer(target_tokens=8)
-    with pytest.raises(ValueError, match="longer than the largest bucket 16"):
+    with pytest.raises(ValueError, match="length 17 does not fit any bucket of \\[4, 8, 16\\]"):
         ja.bucket_for(17, BUCKETS)
     trainer = _trainer()
     with pytest.raises(RuntimeError, match="init"):
         trainer.step(None, ja.BucketBatch(4, {}))
+
+
+def _conv(x, kernel):
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+
+
+def _image_logits(params, images, mask):
+    """Two masked convolutions and a masked mean: padding never reaches a real pixel."""
+    m = mask[..., None].astype(images.dtype)
+    h = jax.nn.relu(_conv(images, params["k1"]) + params["b1"][None, None, None]) * m
+    h = jax.nn.relu(_conv(h, params["k2"]) + params["b2"][None, None, None]) * m
+    return (jnp.sum(h, axis=(1, 2)) / jnp.sum(m, axis=(1, 2))) @ params["out"]
+
+
+def _image_loss(params, batch, rng):
+    logits = _image_logits(params, batch["image"], batch["mask"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+
+
+def test_image_shape_buckets_equal_unpadded_images_one_by_one():
+    rng = np.random.default_rng(0)
+    images = [
+        {"image": rng.normal(size=(h, w, 3)).astype(np.float32),
+         "label": np.int32(rng.integers(3)), "index": np.int32(i)}
+        for i, (h, w) in enumerate(rng.choice((6, 12), size=(40, 2)))
+    ]  # fmt: skip
+    keys = jax.random.split(jax.random.key(1), 3)
+    params = {
+        "k1": jax.random.normal(keys[0], (3, 3, 3, 8)) * 0.3, "b1": jnp.full(8, 0.1),
+        "k2": jax.random.normal(keys[1], (3, 3, 8, 8)) * 0.2, "b2": jnp.full(8, 0.1),
+        "out": jax.random.normal(keys[2], (8, 3)) * 0.3,
+    }  # fmt: skip
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    trainer = ja.BucketedTrainer(
+        _image_loss, optimizer, buckets=[(8, 8), (8, 16), (16, 8), (16, 16)],
+        target_batch_size=4, weighting="none", micro_batch_size=3, plan_cache=False,
+    )  # fmt: skip
+    state, history = trainer.fit(trainer.init(params, images[0]), images)
+    assert len({tuple(h["bucket"]) for h in history}) == 4 and len(history) >= 6
+
+    # The reference: each image at its own size, unpadded, in one full-batch step.
+    @jax.jit
+    def one(p, image, label):
+        logits = _image_logits(p, image[None], jnp.ones((1, *image.shape[:2]), bool))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, label[None])[0]
+
+    def mean_loss(p, rows):
+        return sum(one(p, images[i]["image"], images[i]["label"]) for i in rows) / len(rows)
+
+    reference, opt_state = params, optimizer.init(params)
+    for batch in ja.bucket_batches(images, {b: 4 for b in trainer.buckets}):
+        grads = jax.grad(mean_loss)(reference, batch.batch["index"].tolist())
+        updates, opt_state = optimizer.update(grads, opt_state, reference)
+        reference = optax.apply_updates(reference, updates)
+    assert_trees_close(state.params, reference, 2e-5)
