@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         print(
             f"{'predicted' if predict else 'independent':>11}: "
-            + ", ".join(f"L={b['length']}: {b['compiles']}" for b in trainer.bucket_log)
+            + ", ".join(f"L={b['bucket']}: {b['compiles']}" for b in trainer.bucket_log)
             + f" compiles; {len(history)} updates in {seconds:.0f}s"
         )
     ours = runs["predicted"]
