@@ -281,7 +281,6 @@ class BucketedTrainer:
         self.trainers: dict[Bucket, AdaptiveTrainer] = {}
         self.bucket_log: list[dict[str, Any]] = []  # one entry per bucket, in first use
         self._points: dict[tuple[int, int], int] = {}  # (positions, size) -> estimated bytes
-        self._params: Params | None = None
 
     def examples_per_update(self, bucket: Bucket) -> int:
         """Examples in an update of ``bucket``.
@@ -304,8 +303,9 @@ class BucketedTrainer:
         The example's bucket is planned here, the others on their first use in `step`.
         """
         self._example = {k: np.asarray(v) for k, v in example.items()}
-        self._params, self._rng = params, rng
-        return self._trainer(bucket_for(_shape(self._example, self.axes), self.buckets))[1]
+        bucket = bucket_for(_shape(self._example, self.axes), self.buckets)
+        trainer = self._new_trainer(bucket)
+        return self._planned(bucket, trainer, lambda e: trainer.init(params, e, rng=rng))
 
     def step(self, state: TrainState, batch: BucketBatch) -> tuple[TrainState, dict[str, Any]]:
         """Runs one exact update on one bucket's padded batch (`bucket_batches` makes them).
@@ -315,13 +315,16 @@ class BucketedTrainer:
             token, or per sequence with ``weighting="example"``) with ``bucket``,
             ``tokens`` (real) and ``padded_tokens``.
         """
-        if self._params is None:
+        if not self.trainers:
             raise RuntimeError("call trainer.init(params, example) first.")
         bucket, padded = batch
         bucket = _key(bucket)
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not one of the buckets {self.buckets}.")
-        trainer, _ = self._trainer(bucket)
+        trainer = self.trainers.get(bucket)
+        if trainer is None:  # the bucket's first use: plan it for the state as it is
+            trainer = self._new_trainer(bucket)
+            self._planned(bucket, trainer, lambda e: trainer.plan(state, e))
         counts = np.asarray(self.count_tokens(padded))
         n = len(counts)
         total = int(counts.sum())
@@ -374,14 +377,20 @@ class BucketedTrainer:
         weight = batch.pop(_WEIGHT)
         return self.loss_fn(params, batch, rng) * weight
 
-    def _trainer(self, bucket: Bucket) -> tuple[AdaptiveTrainer, TrainState | None]:
-        """The bucket's trainer, planning it on first use; and the state it built."""
-        if bucket in self.trainers:
-            return self.trainers[bucket], None
-        size, dims, positions = self.examples_per_update(bucket), _dims(bucket), _volume(bucket)
+    def _new_trainer(self, bucket: Bucket) -> AdaptiveTrainer:
+        size = self.examples_per_update(bucket)
         trainer = AdaptiveTrainer(
             self._weighted_loss, self.optimizer, target_batch_size=size, **self.trainer_kwargs
         )
+        prior = self._predicted_line(_volume(bucket)) if self.predict else None
+        trainer.memory_model = MemoryModel(prior=prior)
+        return trainer
+
+    def _planned(
+        self, bucket: Bucket, trainer: AdaptiveTrainer, plan: Callable[[dict[str, Any]], Any]
+    ) -> Any:
+        """Runs ``plan(example_batch)`` for the bucket's new trainer and logs its plan."""
+        dims = _dims(bucket)
         example = {
             k: np.zeros(
                 (1, *dims, *v.shape[self.axes :]) if v.ndim >= self.axes else (1, *v.shape), v.dtype
@@ -390,13 +399,11 @@ class BucketedTrainer:
         }
         example[self.mask_key] = np.ones((1, *dims), bool)
         example[_WEIGHT] = np.ones(1, np.float32)
-        prior = self._predicted_line(positions) if self.predict else None
-        trainer.memory_model = MemoryModel(prior=prior)
         start, compiles = time.perf_counter(), trainer.compiles
-        state = trainer.init(self._params, example, rng=self._rng)
+        out = plan(example)
         for s, nbytes in trainer.memory_model.points.items():
-            self._points[(positions, s)] = nbytes
-        capacity = trainer.capacity()
+            self._points[(_volume(bucket), s)] = nbytes
+        prior, capacity = trainer.memory_model.prior, trainer.capacity()
         predicted = None
         if prior is not None and capacity is not None:
             predicted = MemoryModel(prior=prior).largest_within(capacity)
@@ -404,7 +411,7 @@ class BucketedTrainer:
         self.bucket_log.append(
             {
                 "bucket": bucket,
-                "examples_per_update": size,
+                "examples_per_update": trainer.target_batch_size,
                 "micro_batch_size": trainer.micro_batch_size,
                 "accumulation_steps": trainer.accumulation_steps,
                 "compiles": trainer.compiles - compiles,
@@ -412,7 +419,7 @@ class BucketedTrainer:
                 "predicted_micro_batch_size": predicted,
             }
         )
-        return trainer, state
+        return out
 
     def _predicted_line(self, positions: int) -> tuple[float, float] | None:
         capacity = next(iter(self.trainers.values())).capacity() if self.trainers else None

@@ -300,6 +300,12 @@ class AdaptiveTrainer:
             if mesh is not None
             else jax.local_devices()[0]
         )
+        # A full copy on every device (the device itself without a mesh), and the
+        # micro-batch's split over the data axis (None without a mesh).
+        self._everywhere = (
+            jax.sharding.SingleDeviceSharding(self.device) if mesh is None else replicated(mesh)
+        )
+        self._data = None if mesh is None else NamedSharding(mesh, PartitionSpec(data_axis))
         self.plan_cache = PlanCache.from_arg(plan_cache)
         if objective not in ("max", "throughput"):
             raise ValueError(f"{objective=} must be 'max' or 'throughput'.")
@@ -376,16 +382,47 @@ class AdaptiveTrainer:
             NothingFitsError: when even a micro-batch of 1 does not fit.
         """
         leading_size(example_batch, "example_batch")
+        rng = jax.random.key(0) if rng is None else rng
+        opt_state = multi_steps(self.optimizer, 1).init(params)
+        state = TrainState(params, opt_state, model_state, rng)
+        state = place(state, self._placement(state))
+        self.plan(state, example_batch)
+        return state
+
+    def plan(self, state: TrainState, example_batch: Batch) -> None:
+        """Plans the micro-batch size for a train state that already exists.
+
+        `init` builds the state and calls this; call it directly to share one state
+        between trainers of the same loss and optimizer that see other input shapes
+        (`jax_adaptive.BucketedTrainer` does), with no second copy of the state.
+
+        Args:
+            state: a `TrainState` placed as this trainer places one (its device, or
+                its mesh's shardings).
+            example_batch: a batch (any leading size) whose leaves give the shape and
+                dtype of one example.
+
+        Raises:
+            NothingFitsError: when even the smallest micro-batch does not fit.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> loss = lambda p, b, r: jnp.sum((b * p) ** 2, axis=1)
+            >>> short, long = (ja.AdaptiveTrainer(loss, optax.sgd(0.1), target_batch_size=8)
+            ...                for _ in range(2))
+            >>> state = short.init(jnp.ones(()), np.ones((8, 4), np.float32))
+            >>> long.plan(state, np.ones((8, 16), np.float32))
+            >>> state, _ = long.step(state, np.ones((8, 16), np.float32))
+            >>> int(state.updates)
+            1
+        """
+        leading_size(example_batch, "example_batch")
         self._example = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
                 np.shape(x)[1:], np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype
             ),
             example_batch,
         )
-        rng = jax.random.key(0) if rng is None else rng
-        opt_state = multi_steps(self.optimizer, 1).init(params)
-        state = TrainState(params, opt_state, model_state, rng)
-        state = place(state, self._placement(state))
         self._state_structs = jax.tree.map(_struct, state)
         self._totals_struct = self._totals_for(state)
         if self.mesh is not None:  # the outputs keep the inputs' shardings, call after call
@@ -405,7 +442,6 @@ class AdaptiveTrainer:
         )
         if self._fixed:
             self.compile(self._fixed)
-        return state
 
     def compile(self, size: int) -> Any:
         """Returns the compiled micro-step for micro-batches of ``size``, compiling once.
@@ -576,18 +612,18 @@ class AdaptiveTrainer:
 
     def _placement(self, state: TrainState) -> Any:
         """Where the state lives: the device, or shardings over the mesh."""
+        everywhere = self._everywhere
         if self.mesh is None:
-            return self.device
-        everywhere = replicated(self.mesh)
-        params = jax.tree.map(lambda _: everywhere, state.params)
-        if self.param_sharding is not None:
-            specs = jax.tree.map(
+            return everywhere
+        if self.param_sharding is None:
+            params = jax.tree.map(lambda _: everywhere, state.params)
+        else:
+            params = jax.tree.map(
                 lambda spec, p: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), p),
                 self.param_sharding,
                 state.params,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
-            params = specs
         opt = optax.tree_map_params(
             multi_steps(self.optimizer, 1),
             lambda _, sharding: sharding,
@@ -598,11 +634,6 @@ class AdaptiveTrainer:
         return TrainState(
             params, opt, jax.tree.map(lambda _: everywhere, state.model_state), everywhere
         )
-
-    def _data_sharding(self) -> Any:
-        if self.mesh is None:
-            return None
-        return NamedSharding(self.mesh, PartitionSpec(self.data_axis))
 
     @staticmethod
     def _check_limit(memory_limit: Any) -> int:
@@ -643,18 +674,14 @@ class AdaptiveTrainer:
         aux = jax.eval_shape(losses, state.params, state.model_state, batch, state.rng)
         if not isinstance(aux, dict):
             raise TypeError(f"aux must be a dict of per-example metrics, got {type(aux).__name__}.")
-        scalar = (
-            replicated(self.mesh)
-            if self.mesh is not None
-            else jax.sharding.SingleDeviceSharding(self.device)
-        )
         return {
-            name: jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar) for name in ("loss", *aux)
+            name: jax.ShapeDtypeStruct((), jnp.float32, sharding=self._everywhere)
+            for name in ("loss", *aux)
         }
 
     def _micro_structs(self, size: int) -> tuple[Any, ...]:
         s = self._state_structs
-        data = self._data_sharding()
+        data = self._data
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype, sharding=data), self._example
         )
@@ -1009,16 +1036,12 @@ class AdaptiveTrainer:
     def _run_micro_step(self, size: int, args: tuple[Any, ...]) -> Any:
         """The one place a micro-step executes (fault injection hooks in here).
 
-        Whatever would fail before dispatch (the capacity, an injected fault) is agreed
-        between processes first: all raise at the same micro-step, or none does.
+        An injected fault stands for a failure at dispatch: it is agreed between
+        processes, so that all raise at the same micro-step or none does.
         """
-        self._agreed(size, lambda: self._preflight(size, args))
-        return self._executable(size).compiled(*args)
-
-    def _preflight(self, size: int, args: tuple[Any, ...]) -> None:
-        self._check_capacity(size)
         if self._faults is not None:
-            self._faults.before_execution(size, args)
+            self._agreed(size, lambda: self._faults.before_execution(size, args))
+        return self._executable(size).compiled(*args)
 
     def _agreed(self, size: int, fn: Callable[[], Any]) -> Any:
         """Runs ``fn``, raising on every process if it ran out of memory on any.
@@ -1048,15 +1071,15 @@ class AdaptiveTrainer:
         keep a host copy of each micro-step's result, so that a failure costs one
         micro-step, not the update.
         """
-        self._agreed(size, lambda: self._executable(size))
+        # What would fail before any micro-step runs (a compile, the capacity), agreed.
+        self._agreed(size, lambda: (self._executable(size), self._check_capacity(size)))
         cautious = cautious or size not in self._ran
         remaining = math.ceil((self.target_batch_size - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
-        data = self._data_sharding()
         for micro in micro_batches(batch, size, start=p.offset):
             chunk, mask = micro.batch, micro.mask
-            if data is not None:
-                chunk, mask = place((chunk, mask), data)
+            if self._data is not None:
+                chunk, mask = place((chunk, mask), self._data)
             args = self._micro_args(state, p, chunk, mask, micro.offset, k)
             acc, mini_step, model_state, totals = self._run_micro_step(size, args)
             p.advance(acc, mini_step, model_state, totals, size, self.target_batch_size)
