@@ -26,9 +26,18 @@ from jax_adaptive.data import (
     synthetic_sequences,
 )
 from jax_adaptive.distributed import data_mesh, place, process_any, process_min
-from jax_adaptive.memory import MemoryModel, device_capacity, estimate_peak_bytes, memory_report
+from jax_adaptive.memory import (
+    Ledger,
+    MemoryModel,
+    device_bytes_in_use,
+    device_capacity,
+    estimate_peak_bytes,
+    memory_report,
+    tree_bytes,
+)
 from jax_adaptive.oom import HostOutOfMemory, PeerOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.plan_cache import PlanCache, enable_compilation_cache, plan_key
+from jax_adaptive.planner import Plan
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
 from jax_adaptive.trainer import (
@@ -44,11 +53,13 @@ __all__ = [
     "BucketBatch",
     "BucketedTrainer",
     "HostOutOfMemory",
+    "Ledger",
     "MemoryModel",
     "MicroBatch",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",
     "PeerOutOfMemory",
+    "Plan",
     "PlanCache",
     "Rebatcher",
     "SearchResult",
@@ -60,6 +71,7 @@ __all__ = [
     "bucket_batches",
     "bucket_for",
     "data_mesh",
+    "device_bytes_in_use",
     "device_capacity",
     "enable_compilation_cache",
     "estimate_peak_bytes",
@@ -81,4 +93,5 @@ __all__ = [
     "synthetic_images",
     "synthetic_sequences",
     "testing",
+    "tree_bytes",
 ]

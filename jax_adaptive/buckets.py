@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 Weighting = Literal["token", "example", "none"]
-_WEIGHT = "_jax_adaptive_weight"  # the per-sequence weight the trainer adds to a batch
 
 
 def pow2_buckets(max_length: int, min_length: int = 16) -> tuple[int, ...]:
@@ -336,7 +335,7 @@ class BucketedTrainer:
             weight = np.ones(n, np.float32)
         else:
             weight = (1.0 / np.maximum(counts, 1)).astype(np.float32)
-        state, metrics = trainer.step(state, {**padded, _WEIGHT: weight})
+        state, metrics = trainer.step(state, padded, weights=weight)
         padding = int(np.size(padded[self.mask_key]))
         return state, {**metrics, "bucket": bucket, "tokens": total, "padded_tokens": padding}
 
@@ -372,19 +371,16 @@ class BucketedTrainer:
 
     # ----------------------------------------------------------------- internals
 
-    def _weighted_loss(self, params, batch, rng):
-        batch = dict(batch)
-        weight = batch.pop(_WEIGHT)
-        return self.loss_fn(params, batch, rng) * weight
-
     def _new_trainer(self, bucket: Bucket) -> AdaptiveTrainer:
         size = self.examples_per_update(bucket)
-        trainer = AdaptiveTrainer(
-            self._weighted_loss, self.optimizer, target_batch_size=size, **self.trainer_kwargs
-        )
         prior = self._predicted_line(_volume(bucket)) if self.predict else None
-        trainer.memory_model = MemoryModel(prior=prior)
-        return trainer
+        return AdaptiveTrainer(
+            self.loss_fn,
+            self.optimizer,
+            target_batch_size=size,
+            memory_prior=prior,
+            **self.trainer_kwargs,
+        )
 
     def _planned(
         self, bucket: Bucket, trainer: AdaptiveTrainer, plan: Callable[[dict[str, Any]], Any]
@@ -398,7 +394,6 @@ class BucketedTrainer:
             for k, v in self._example.items()
         }
         example[self.mask_key] = np.ones((1, *dims), bool)
-        example[_WEIGHT] = np.ones(1, np.float32)
         start, compiles = time.perf_counter(), trainer.compiles
         out = plan(example)
         for s, nbytes in trainer.memory_model.points.items():

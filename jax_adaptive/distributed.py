@@ -16,15 +16,20 @@ With one process these are free pass-throughs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["data_mesh", "place", "process_any", "process_min"]
+from jax_adaptive.oom import PeerOutOfMemory, is_oom
+
+__all__ = ["Placement", "agreed", "data_mesh", "place", "process_any", "process_min"]
+
+T = TypeVar("T")
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -> Mesh:
@@ -115,3 +120,116 @@ def process_any(flag: bool) -> bool:
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding that keeps a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def agreed(fn: Callable[[], T], size: int) -> T:
+    """Runs ``fn``, raising on every process if it ran out of memory on any.
+
+    Under ``jax.distributed`` the process that ran out raises its own error and the
+    others `jax_adaptive.PeerOutOfMemory`; with one process this is ``fn()``.
+
+    Example:
+        >>> agreed(lambda: 3, size=8)
+        3
+    """
+    if jax.process_count() == 1:
+        return fn()
+    error = None
+    try:
+        out = fn()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        error = exc
+    if process_any(error is not None):
+        raise error or PeerOutOfMemory(size)
+    return out
+
+
+class Placement:
+    """Where the train state and the micro-batches live: one device, or a mesh.
+
+    Args:
+        device: the device to train on (the first local device by default), without
+            ``mesh``.
+        mesh: a ``jax.sharding.Mesh`` to split each micro-batch over ``data_axis``.
+        data_axis: the mesh axis of the data.
+        param_sharding: with ``mesh``, a pytree of ``PartitionSpec`` matching (a prefix
+            of) the parameters; the optimizer state follows its parameters.
+
+    Attributes:
+        device: this process's first device of the mesh, or the device.
+        shards: the number of data shards (1 without a mesh).
+        everywhere: a full copy on every device (the device itself without a mesh).
+        data: the micro-batch's split over the data axis (None without a mesh).
+
+    Example:
+        >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
+        (1, True)
+    """
+
+    def __init__(
+        self,
+        device: jax.Device | None = None,
+        mesh: Mesh | None = None,
+        data_axis: str = "data",
+        param_sharding: Any = None,
+    ):
+        self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
+        self.shards = self._check(device)
+        if mesh is None:
+            self.device = device or jax.local_devices()[0]
+            self.everywhere: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)
+            self.data: NamedSharding | None = None
+        else:
+            own = jax.process_index()
+            self.device = next(d for d in mesh.devices.flat if d.process_index == own)
+            self.everywhere = replicated(mesh)
+            self.data = NamedSharding(mesh, PartitionSpec(data_axis))
+
+    def _check(self, device: jax.Device | None) -> int:
+        if self.mesh is None:
+            if self.param_sharding is not None:
+                raise ValueError("param_sharding needs a mesh (mesh=ja.data_mesh(), ...).")
+            return 1
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+        if device is not None:
+            raise ValueError("pass either device or mesh, not both.")
+        if self.data_axis not in self.mesh.shape:
+            raise ValueError(
+                f"data_axis={self.data_axis!r} is not an axis of the mesh {dict(self.mesh.shape)}."
+            )
+        return int(self.mesh.shape[self.data_axis])
+
+    def state(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
+        """The shardings of a train state: replicated, or the parameters' own specs.
+
+        The optimizer state follows its parameters (``optax.tree_map_params`` over
+        ``optimizer``, the ``MultiSteps`` that built ``state.opt_state``).
+        """
+        everywhere = self.everywhere
+        if self.mesh is None:
+            return everywhere
+        if self.param_sharding is None:
+            params = jax.tree.map(lambda _: everywhere, state.params)
+        else:
+            params = jax.tree.map(
+                lambda spec, p: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), p),
+                self.param_sharding,
+                state.params,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+        opt = optax.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            state.opt_state,
+            params,
+            transform_non_params=lambda _: everywhere,
+        )
+        model_state = jax.tree.map(lambda _: everywhere, state.model_state)
+        return type(state)(params, opt, model_state, everywhere)
+
+    def micro_batch(self, tree: Any) -> Any:
+        """Transfers a micro-batch to the device, or splits it over the data axis."""
+        return place(tree, self.data if self.data is not None else self.device)

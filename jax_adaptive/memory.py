@@ -9,18 +9,32 @@ The memory model: a micro-step's peak grows close to linearly with its micro-bat
 size, so a line through the estimates of sizes already compiled predicts the largest
 size within a capacity. `MemoryModel` is that line; the trainer hands its guesses to
 `jax_adaptive.search_max_size`, whose bisection takes over wherever the line is off.
+
+The ledger: a program's own estimate is not what the device holds while it runs. JAX
+prunes the arguments a program does not read (Adam's moments, in a micro-step), yet they
+stay resident; and with asynchronous dispatch the inputs of every micro-step in flight
+are live at once. `Ledger` adds the parts: the whole resident state, the inputs and
+outputs in flight, and the program's own temporaries and code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-__all__ = ["MemoryModel", "device_capacity", "estimate_peak_bytes", "memory_report"]
+__all__ = [
+    "Ledger",
+    "MemoryModel",
+    "device_bytes_in_use",
+    "device_capacity",
+    "estimate_peak_bytes",
+    "memory_report",
+    "tree_bytes",
+]
 
 
 def memory_report(compiled: Any) -> dict[str, int]:
@@ -77,6 +91,58 @@ def estimate_peak_bytes(compiled: Any) -> int:
     return r["argument"] + r["output"] - r["alias"] + r["temp"] + r["code"]
 
 
+def tree_bytes(tree: Any) -> int:
+    """Returns the bytes a pytree of arrays (or ``ShapeDtypeStruct``s) holds on one device.
+
+    A sharded leaf counts the shard one device holds; a replicated one, its whole size.
+
+    Args:
+        tree: a pytree of ``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``.
+
+    Returns:
+        The bytes on the device that holds the most of each leaf.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> tree_bytes({"w": jnp.zeros((4, 8)), "key": jax.random.key(0)})
+        136
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(np.shape(leaf))
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        total += math.prod(shape) * leaf.dtype.itemsize  # a PRNG key's dtype has one too
+    return total
+
+
+class Ledger(NamedTuple):
+    """What is live on a device while a program runs, in bytes, by part.
+
+    Attributes:
+        state: everything resident whether the program reads it or not: the whole train
+            state (every optimizer leaf), the accumulator and the running totals.
+        in_flight: the inputs and new outputs of every call in flight (each micro-batch
+            transferred, each output not aliased to a donated input).
+        program: the running program's temporaries and generated code.
+
+    Example:
+        >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
+        >>> ledger.total
+        1500
+    """
+
+    state: int
+    in_flight: int
+    program: int
+
+    @property
+    def total(self) -> int:
+        """The peak: the sum of the parts."""
+        return self.state + self.in_flight + self.program
+
+
 def device_capacity(device: jax.Device | None = None) -> int | None:
     """Returns the bytes the device lets XLA allocate, or None where it does not say.
 
@@ -93,14 +159,32 @@ def device_capacity(device: jax.Device | None = None) -> int | None:
         >>> device_capacity(jax.devices("cpu")[0]) is None
         True
     """
+    return _stat(device, "bytes_limit")
+
+
+def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
+    """Returns the bytes live on the device now, or None where it does not say (a CPU).
+
+    On a GPU this is ``memory_stats()["bytes_in_use"]``: every live array of this
+    process, the trainer's and anyone else's.
+
+    Example:
+        >>> import jax
+        >>> device_bytes_in_use(jax.devices("cpu")[0]) is None
+        True
+    """
+    return _stat(device, "bytes_in_use")
+
+
+def _stat(device: jax.Device | None, name: str) -> int | None:
     device = device or jax.local_devices()[0]
     try:
         stats = device.memory_stats()
     except (NotImplementedError, RuntimeError):
         return None
-    if not stats or "bytes_limit" not in stats:
+    if not stats or name not in stats:
         return None
-    return int(stats["bytes_limit"])
+    return int(stats[name])
 
 
 class MemoryModel:

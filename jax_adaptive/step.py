@@ -4,19 +4,21 @@ An update of ``T`` examples is ``n = ceil(T / m)`` micro-steps and one optimizer
 all through ``optax.MultiSteps`` with ``use_grad_mean=False`` and ``k = n + 1``:
 
 * the **micro-step** (one compile per micro-batch size ``m``) computes the gradient of
-  ``sum(mask * losses) / T`` on one micro-batch and adds it to the accumulator with
-  ``MultiSteps.update``. It donates only the accumulator and the running totals; the
-  parameters, the inner optimizer state and the model state are read, never donated,
-  so a micro-step that fails (an out-of-memory) leaves them alive (DESIGN.md: a failed
-  donating call deletes its donated inputs). It returns only what changes in a
-  micro-step, so XLA drops the inner optimizer's work there.
+  ``sum(weights * losses) / T`` on one micro-batch (a weight of 0 masks a padding row)
+  and adds it to the accumulator with ``MultiSteps.update``. It donates only the
+  accumulator and the running totals; the parameters, the inner optimizer state and the
+  model state are read, never donated, so a micro-step that fails (an out-of-memory)
+  leaves them alive (DESIGN.md: a failed donating call deletes its donated inputs). It
+  returns only what changes in a micro-step, so XLA drops the inner optimizer's work
+  there.
 * the **optimizer step** (one compile in all: it does not depend on ``m``) is the
   ``n + 1``-th mini-step of ``MultiSteps``, with a zero gradient: it emits, applies the
   inner optimizer to the accumulated sum and resets the accumulator. Its memory is the
   state twice, whatever ``m``; it runs after the micro-batch's activations are freed.
 
 The sum of per-example gradients divided by ``T`` is the full-batch mean gradient
-whatever the micro-batch sizes (padding is masked), so the update is exact.
+whatever the micro-batch sizes (padding is masked), so the update is exact. Per-example
+weights other than 0 and 1 give weighted means the same way (a token count per sequence).
 """
 
 from __future__ import annotations
@@ -122,30 +124,34 @@ def make_micro_step(
     has_state: bool = False,
     on_trace: Callable[[int], None] | None = None,
 ) -> Callable[..., Any]:
-    """Builds the micro-step, to be jitted with ``donate_argnums=(2, 4)``.
+    """Builds the micro-step, to be jitted with ``donate_argnames=("acc_grads", "totals")``.
 
-    Its arguments are ``(params, opt_state, acc_grads, model_state, totals, batch, mask,
+    Its arguments are ``(params, opt_state, acc_grads, model_state, totals, batch, weights,
     rng, offset, k)``, where ``opt_state`` is the ``MultiStepsState`` with
     ``acc_grads=None`` (the accumulator travels apart, so that it alone is donated),
-    ``totals`` the running masked sums of the loss and the aux metrics, ``offset`` the
+    ``totals`` the running weighted sums of the loss and the aux metrics, ``weights``
+    each example's weight (0 for a padding row, 1 for a plain mean), ``offset`` the
     index of the micro-batch's first example in the target batch and ``k`` the
     ``MultiSteps`` period. It returns ``(acc_grads, mini_step, model_state, totals)``.
 
     Example:
         >>> import optax
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
-        >>> step = jax.jit(make_micro_step(loss, optax.sgd(0.1), 4), donate_argnums=(2, 4))
+        >>> step = jax.jit(make_micro_step(loss, optax.sgd(0.1), 4),
+        ...                donate_argnames=("acc_grads", "totals"))
         >>> params = {"w": jnp.ones(())}
         >>> opt = multi_steps(optax.sgd(0.1), 3).init(params)
         >>> batch = {"x": jnp.ones(2), "y": jnp.zeros(2)}
         >>> acc, mini, _, totals = step(params, opt._replace(acc_grads=None), opt.acc_grads,
-        ...     (), {"loss": jnp.zeros(())}, batch, jnp.ones(2, bool), jax.random.key(0), 0, 3)
+        ...     (), {"loss": jnp.zeros(())}, batch, jnp.ones(2), jax.random.key(0), 0, 3)
         >>> float(acc["w"]), int(mini), float(totals["loss"])  # d/dw sum((w-0)^2)/4 over 2
         (1.0, 1, 2.0)
     """
 
-    def micro_step(params, opt_state, acc_grads, model_state, totals, batch, mask, rng, offset, k):
-        m = mask.shape[0]
+    def micro_step(
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
+    ):
+        m = weights.shape[0]
         if on_trace is not None:
             on_trace(m)
         with jax.named_scope(f"micro_batch_{m}"):
@@ -158,11 +164,13 @@ def make_micro_step(
                 _check_per_example("loss_fn's losses", losses, m)
                 for name, value in aux.items():
                     _check_per_example(f"aux[{name!r}]", value, m)
-                sums = {
-                    name: jnp.sum(jnp.where(mask, v, 0).astype(jnp.float32))
+                # where, not a product alone: a padding row's inf or NaN must not leak.
+                weighted = {
+                    name: jnp.where(weights != 0, weights * v, 0)
                     for name, v in {"loss": losses, **aux}.items()
                 }
-                return jnp.sum(jnp.where(mask, losses, 0)) / target_batch_size, (sums, new_state)
+                sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
+                return jnp.sum(weighted["loss"]) / target_batch_size, (sums, new_state)
 
             grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
             _, new_opt = multi_steps(optimizer, k).update(

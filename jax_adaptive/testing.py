@@ -16,10 +16,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["FaultInjector", "inject_oom"]
+from jax_adaptive.executables import DONATED, MicroArgs
 
-# The micro-step's donated arguments: the accumulator and the totals (see step.py).
-_DONATED = (2, 4)
+__all__ = ["FaultInjector", "inject_oom"]
 
 
 class FaultInjector:
@@ -58,17 +57,16 @@ class FaultInjector:
         self.executions_seen = 0
         self.injected: list[tuple[int, int]] = []
 
-    def before_execution(self, size: int, args: tuple[Any, ...]) -> None:
+    def before_execution(self, size: int, args: MicroArgs | tuple[()]) -> None:
         """Called by the trainer just before a micro-step of ``size`` runs on ``args``."""
         self.executions_seen += 1
         if self.executions_seen not in self.executions:
             return
-        if self.delete_donated:
-            for i in _DONATED:
-                if i < len(args):
-                    for leaf in jax.tree.leaves(args[i]):
-                        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                            leaf.delete()
+        if self.delete_donated and isinstance(args, MicroArgs):
+            for name in DONATED:
+                for leaf in jax.tree.leaves(getattr(args, name)):
+                    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                        leaf.delete()
         self.injected.append((self.executions_seen, size))
         raise jax.errors.JaxRuntimeError(
             f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate a micro-batch of "
@@ -87,7 +85,7 @@ class FaultInjector:
 
 @contextlib.contextmanager
 def inject_oom(trainer: Any, **kwargs: Any) -> Iterator[FaultInjector]:
-    """Installs a `FaultInjector` on a trainer for the duration of a ``with`` block.
+    """Installs a `FaultInjector` as a trainer's ``fault_hook`` inside a ``with`` block.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -102,8 +100,8 @@ def inject_oom(trainer: Any, **kwargs: Any) -> Iterator[FaultInjector]:
         ([(1, 8)], True)
     """
     injector = FaultInjector(**kwargs)
-    previous, trainer._faults = trainer._faults, injector
+    previous, trainer.fault_hook = trainer.fault_hook, injector
     try:
         yield injector
     finally:
-        trainer._faults = previous
+        trainer.fault_hook = previous

@@ -81,7 +81,7 @@ def brute_force(trainer, limit):
     fits = [
         s
         for s in range(trainer.shards, T + 1, trainer.shards)
-        if ja.estimate_peak_bytes(trainer.compile(s)) <= limit
+        if trainer.ledger(s).total <= limit
     ]
     return max(fits)
 

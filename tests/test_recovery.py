@@ -34,7 +34,7 @@ def size_estimate(size):
     trainer.init(
         {"mlp": mlp_params(), "seen": jnp.zeros(N)}, next(epoch_stream(0, np.random.default_rng(0)))
     )
-    return ja.estimate_peak_bytes(trainer.compile(size))
+    return trainer.ledger(size).total
 
 
 def run_epochs(faults=None, **trainer_kwargs):
@@ -159,7 +159,7 @@ def test_batch_stats_are_threaded_and_restored(fault_at, partitions):
     )
     model_state = {"batch_stats": variables["batch_stats"]}
     probe.init(variables["params"], batches[0], model_state=model_state)
-    limit = ja.estimate_peak_bytes(probe.compile(6))
+    limit = probe.ledger(6).total
 
     trainer = ja.AdaptiveTrainer(
         loss,
@@ -205,7 +205,7 @@ def test_a_compile_oom_marks_the_size_as_not_fitting():
 
 
 def _estimate(trainer, size):
-    return ja.estimate_peak_bytes(trainer.compile(size))
+    return trainer.ledger(size).total
 
 
 @pytest.mark.parametrize("grow", ["never", 2])
@@ -251,7 +251,7 @@ def test_other_errors_at_run_time_propagate_unchanged():
         def before_execution(self, size, args):
             raise Boom("not memory")
 
-    trainer._faults = Exploding()
+    trainer.fault_hook = Exploding()
     with pytest.raises(Boom, match="not memory"):
         trainer.step(state, batches[0])
     assert not any(t.reason == "step" for t in trainer.search_log)

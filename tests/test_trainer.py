@@ -123,15 +123,50 @@ def test_one_compile_per_size_never_a_retrace():
 # ------------------------------------------------------------------ auto and limits
 
 
+IN_FLIGHT = 2  # the trainer's documented default: micro-batches on the device at once
+
+
+def independent_peak(trainer, state, example_bytes, size):
+    """What a device holds while micro-steps of ``size`` run, from the live arrays.
+
+    The whole state as it is on the device (Adam's moments too, which the micro-step
+    never reads, so XLA prunes them from its arguments), the running loss total, then
+    each micro-step in flight (its rows, weights, offset and k, and its new outputs),
+    and one program's temporaries and code from XLA's memory analysis.
+    """
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4
+    r = ja.memory_report(trainer.compile(size))
+    inputs = size * example_bytes + 4 * size + 8
+    return state_bytes + IN_FLIGHT * (inputs + r["output"] - r["alias"]) + r["temp"] + r["code"]
+
+
 @pytest.fixture(scope="module")
 def estimates():
-    """Brute force: the estimate of every size, 1..T, from its own compile."""
+    """Brute force: the peak of every size, 1..T, each from its own compile."""
     batches = regression_batches(1, T)
     trainer = ja.AdaptiveTrainer(
         mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=1
     )
-    trainer.init(mlp_params(), batches[0])
-    return {s: ja.estimate_peak_bytes(trainer.compile(s)) for s in range(1, T + 1)}
+    state = trainer.init(mlp_params(), batches[0])
+    example_bytes = sum(leaf[0].nbytes for leaf in jax.tree.leaves(batches[0]))
+    return {s: independent_peak(trainer, state, example_bytes, s) for s in range(1, T + 1)}
+
+
+def test_an_adam_ledger_counts_the_moments_the_micro_step_never_reads(estimates):
+    params = mlp_params()
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    )
+    batch = regression_batches(1, T)[0]
+    state = trainer.init(params, batch)
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    inputs = 4 * sum(leaf[0].nbytes for leaf in jax.tree.leaves(batch)) + 4 * 4 + 8
+    ledger = trainer.ledger(4)
+    program = ja.memory_report(trainer.compile(4))
+    # Adam's two moments are resident, though pruned from the program's arguments.
+    assert ledger.state + inputs - program["argument"] >= 2 * param_bytes
+    assert ledger.state == sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4
+    assert ledger.total == estimates[4]
 
 
 def brute_force_max(estimates, limit):
@@ -198,7 +233,7 @@ def test_lowering_the_limit_shrinks_at_the_next_step_and_stays_exact(estimates):
 def test_raising_the_limit_grows_back(estimates):
     batches = regression_batches(3, T)
     trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.sgd(0.1), target_batch_size=T, memory_limit=estimates[3]
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[3]
     )
     state = trainer.init(mlp_params(), batches[0])
     state, m0 = trainer.step(state, batches[0])

@@ -1,0 +1,392 @@
+"""Compiling and measuring the jitted pieces of an update, per micro-batch size.
+
+The one place that knows the micro-step's calling convention (`MicroArgs`, donation by
+name) and the optimizer step's. `Executables` compiles each ahead of time from
+``jax.ShapeDtypeStruct``s for the train state and one example it is bound to, reads
+XLA's memory analysis of each, and adds what the analysis leaves out into a `Ledger`:
+the whole resident state (JAX prunes the arguments a program does not read, such as
+Adam's moments in a micro-step, yet they stay on the device) and the inputs and outputs
+of every micro-step in flight.
+
+Compiled programs are released when the planner no longer uses their size; their memory
+reports are kept, so a size decided once is never compiled again to be decided again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from collections.abc import Container
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_adaptive.memory import Ledger, memory_report, tree_bytes
+from jax_adaptive.step import (
+    PerExampleLoss,
+    TrainState,
+    _call_loss,
+    _check_per_example,
+    make_micro_step,
+    make_optimizer_step,
+)
+
+__all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs"]
+
+
+class MicroArgs(NamedTuple):
+    """The micro-step's arguments, by name (see `jax_adaptive.make_micro_step`)."""
+
+    params: Any
+    opt_state: Any  # the MultiStepsState with acc_grads=None
+    acc_grads: Any
+    model_state: Any
+    totals: Any
+    batch: Any
+    weights: Any
+    rng: Any
+    offset: Any
+    k: Any
+
+
+DONATED = ("acc_grads", "totals")
+"""The micro-step's donated arguments: a failed run may delete these, never the state."""
+
+
+class FaultHook(Protocol):
+    """What `jax_adaptive.testing.FaultInjector` implements: called before compiles and runs."""
+
+    def before_compile(self, size: int) -> None:
+        """Called before the micro-step for ``size`` compiles."""
+
+    def before_execution(self, size: int, args: MicroArgs) -> None:
+        """Called before a micro-step of ``size`` runs on ``args``."""
+
+
+class Executable(NamedTuple):
+    """A compiled program with XLA's memory analysis of it and what compiling cost."""
+
+    compiled: Any
+    report: dict[str, int]
+    seconds: float
+
+    @property
+    def estimate(self) -> int:
+        """`jax_adaptive.estimate_peak_bytes` of the program alone."""
+        r = self.report
+        return r["argument"] + r["output"] - r["alias"] + r["temp"] + r["code"]
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _shardings(structs: Any) -> Any:
+    return jax.tree.map(lambda s: s.sharding, structs)
+
+
+def zeros(structs: Any) -> Any:
+    """Zeros on the device, of the shapes, dtypes and shardings of ``structs``."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), structs)
+
+
+def example_structs(example_batch: Any) -> Any:
+    """The shape and dtype of one example of each leaf of a batch."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        dtype = x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype
+        return jax.ShapeDtypeStruct(np.shape(x)[1:], dtype)
+
+    return jax.tree.map(one, example_batch)
+
+
+class Executables:
+    """Compiles the micro-step per size and the optimizer step, for one bound input shape.
+
+    Args:
+        loss_fn: the per-example loss (see `jax_adaptive.AdaptiveTrainer`).
+        optimizer: the inner optax optimizer.
+        target_batch_size: examples per update.
+        has_aux: ``loss_fn`` returns ``(losses, aux)``.
+        has_state: ``loss_fn`` threads mutable model state.
+        everywhere: where a replicated value lives (a device's or a mesh's sharding).
+        data: the micro-batch's sharding over the data axis, or None on one device.
+        in_flight: how many micro-steps the update keeps in flight at most.
+
+    Attributes:
+        compiles: micro-step compiles so far.
+        trace_counts: traces of the micro-step per size (one each, never a retrace).
+        fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax
+        >>> from jax_adaptive.distributed import Placement
+        >>> loss = lambda p, b, r: (b @ p) ** 2
+        >>> ex = Executables(loss, optax.adam(0.1), 8, everywhere=Placement().everywhere)
+        >>> state = TrainState(jnp.ones(256), optax.MultiSteps(optax.adam(0.1), 1).init(
+        ...     jnp.ones(256)), (), jax.random.key(0))
+        >>> _ = ex.bind(jax.device_put(state), np.ones((8, 256), np.float32))
+        >>> ledger = ex.ledger(4)
+        >>> ledger.state >= 4 * 1024  # params, both moments and the accumulator
+        True
+    """
+
+    def __init__(
+        self,
+        loss_fn: PerExampleLoss,
+        optimizer: optax.GradientTransformation,
+        target_batch_size: int,
+        *,
+        has_aux: bool = False,
+        has_state: bool = False,
+        everywhere: jax.sharding.Sharding,
+        data: jax.sharding.Sharding | None = None,
+        in_flight: int = 2,
+    ):
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.target_batch_size = target_batch_size
+        self.has_aux, self.has_state = has_aux, has_state
+        self.everywhere, self.data, self.in_flight = everywhere, data, in_flight
+        self.compiles = 0
+        self.trace_counts: Counter[int] = Counter()
+        self.fault_hook: FaultHook | None = None
+        self._micro_fn = make_micro_step(
+            loss_fn,
+            optimizer,
+            target_batch_size,
+            has_aux=has_aux,
+            has_state=has_state,
+            on_trace=lambda size: self.trace_counts.update([size]),
+        )
+        self._bound: tuple[Any, Any] | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._compiled: dict[int, Executable] = {}
+        self._lowered: dict[int, Any] = {}
+        self._reports: dict[int, dict[str, int]] = {}
+        self._optimizer: dict[bool, Executable] = {}
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------ binding a shape
+
+    def bind(self, state: TrainState, example_batch: Any) -> bool:
+        """Binds the programs to a placed train state and an example's shape.
+
+        Binding another shape (or another state layout) drops every program and
+        measurement of the previous one: they would not accept the new inputs.
+
+        Returns:
+            Whether anything changed.
+        """
+        structs = (jax.tree.map(_struct, state), example_structs(example_batch))
+        if self._bound is not None and _same(self._bound, structs):
+            return False
+        self._bound = structs
+        self.state_structs, self.example = structs
+        self.totals_struct = self._totals_for(state)
+        outs = _shardings(
+            (
+                self.state_structs.opt_state.acc_grads,
+                self.state_structs.opt_state.mini_step,
+                self.state_structs.model_state,
+                self.totals_struct,
+            )
+        )
+        # The outputs keep the inputs' shardings, call after call.
+        self._micro_jit = jax.jit(self._micro_fn, donate_argnames=DONATED, out_shardings=outs)
+        self._clear()
+        return True
+
+    def _require_bound(self) -> None:
+        if self._bound is None:
+            raise RuntimeError("call trainer.init(params, example_batch) first.")
+
+    def _totals_for(self, state: TrainState) -> dict[str, jax.ShapeDtypeStruct]:
+        # The aux metrics' names are known only from the loss's output: trace it once.
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), self.example)
+
+        def aux_of(params, model_state, b, rng):
+            out, aux, _ = _call_loss(
+                self.loss_fn, self.has_aux, self.has_state, params, model_state, b, rng
+            )
+            _check_per_example("loss_fn's losses", out, 1)
+            return aux
+
+        aux = jax.eval_shape(aux_of, state.params, state.model_state, batch, state.rng)
+        if not isinstance(aux, dict):
+            raise TypeError(f"aux must be a dict of per-example metrics, got {type(aux).__name__}.")
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.everywhere)
+        return {name: scalar for name in ("loss", *aux)}
+
+    # ------------------------------------------------------------ the micro-step
+
+    def micro_structs(self, size: int) -> MicroArgs:
+        """The micro-step's arguments for ``size`` as ``ShapeDtypeStruct``s."""
+        self._require_bound()
+        s, data = self.state_structs, self.data
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        return MicroArgs(
+            params=s.params,
+            opt_state=s.opt_state._replace(acc_grads=None),
+            acc_grads=s.opt_state.acc_grads,
+            model_state=s.model_state,
+            totals=self.totals_struct,
+            batch=jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype, sharding=data),
+                self.example,
+            ),
+            weights=jax.ShapeDtypeStruct((size,), jnp.float32, sharding=data),
+            rng=s.rng,
+            offset=i32,
+            k=i32,
+        )
+
+    def lower(self, size: int) -> Any:
+        """Traces the micro-step for ``size`` (the user's loss runs here, errors and all)."""
+        size = self._check_size(size)
+        if size not in self._lowered:
+            self._lowered[size] = self._micro_jit.lower(*self.micro_structs(size))
+        return self._lowered[size]
+
+    def micro(self, size: int) -> Executable:
+        """The compiled micro-step for ``size``, compiling it once while it is in use."""
+        size = self._check_size(size)
+        if size not in self._compiled:
+            lowered = self.lower(size)
+            start = time.perf_counter()
+            if self.fault_hook is not None:
+                self.fault_hook.before_compile(size)
+            compiled = lowered.compile()
+            del self._lowered[size]
+            self.compiles += 1
+            executable = Executable(compiled, memory_report(compiled), time.perf_counter() - start)
+            self._compiled[size] = executable
+            self._reports[size] = executable.report
+        return self._compiled[size]
+
+    def report(self, size: int) -> dict[str, int]:
+        """XLA's memory analysis of the micro-step for ``size`` (compiled once, ever)."""
+        if size not in self._reports:
+            self.micro(size)
+        return self._reports[size]
+
+    def ledger(self, size: int) -> Ledger:
+        """Everything live on a device while micro-steps of ``size`` run (see `Ledger`).
+
+        The resident state is counted whole, read or not; each of the ``in_flight``
+        micro-steps holds its transferred micro-batch and its outputs that are not
+        aliased to a donated input (the new model state); one program runs at a time.
+        """
+        report = self.report(size)
+        args = self.micro_structs(size)
+        inputs = tree_bytes((args.batch, args.weights, args.offset, args.k))
+        new_outputs = report["output"] - report["alias"]
+        return Ledger(
+            state=self.state_bytes(),
+            in_flight=self.in_flight * (inputs + new_outputs),
+            program=report["temp"] + report["code"],
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes of the whole train state and the running totals on one device."""
+        self._require_bound()
+        return tree_bytes((self.state_structs, self.totals_struct))
+
+    def release(self, keep: Container[int]) -> None:
+        """Frees the compiled programs of every size not in ``keep`` (reports stay)."""
+        for size in [s for s in self._compiled if s not in keep]:
+            del self._compiled[size]
+        self._lowered = {s: low for s, low in self._lowered.items() if s in keep}
+
+    def compiled_sizes(self) -> list[int]:
+        """The sizes whose compiled micro-step is held now."""
+        return sorted(self._compiled)
+
+    def fingerprint(self, size: int) -> str:
+        """A digest of the lowered micro-step: the model, loss, optimizer and shapes."""
+        if self._fingerprint is None:
+            text = self._micro_jit.lower(*self.micro_structs(size)).as_text()
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()
+        return self._fingerprint
+
+    def _check_size(self, size: Any) -> int:
+        self._require_bound()
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise TypeError(f"size must be an int, got {size!r}.")
+        if not 1 <= size <= self.target_batch_size:
+            raise ValueError(f"{size=} must be in [1, target_batch_size={self.target_batch_size}].")
+        return int(size)
+
+    # ------------------------------------------------------------ the optimizer step
+
+    def optimizer_step(self, donate: bool) -> Executable:
+        """The compiled optimizer step, donating the state or not (compiled once each)."""
+        self._require_bound()
+        if donate not in self._optimizer:
+            s = self.state_structs
+            k = jax.ShapeDtypeStruct((), jnp.int32)
+            start = time.perf_counter()
+            compiled = (
+                jax.jit(
+                    make_optimizer_step(self.optimizer, self.target_batch_size),
+                    donate_argnames=("params", "opt_state") if donate else (),
+                    out_shardings=_shardings((s.params, s.opt_state, self.totals_struct)),
+                )
+                .lower(s.params, s.opt_state, self.totals_struct, k)
+                .compile()
+            )
+            self._optimizer[donate] = Executable(
+                compiled, memory_report(compiled), time.perf_counter() - start
+            )
+        return self._optimizer[donate]
+
+    def optimizer_step_ledger(self, donate: bool) -> Ledger:
+        """Everything live while the optimizer step runs: the state, its new outputs, temps."""
+        report = self.optimizer_step(donate).report
+        return Ledger(
+            state=self.state_bytes(),
+            in_flight=report["output"] - report["alias"],
+            program=report["temp"] + report["code"],
+        )
+
+    # ------------------------------------------------------------ timing
+
+    def time_micro_step(self, size: int, state: TrainState, reps: int = 3) -> float:
+        """The fastest of ``reps`` runs of the micro-step for ``size`` on zeros, in seconds.
+
+        Out-of-memory errors propagate: the caller decides what they mean.
+        """
+        compiled = self.micro(size).compiled
+        structs = self.micro_structs(size)
+        seconds = []
+        for _ in range(reps + 1):  # the first run warms up
+            args = structs._replace(
+                params=state.params,
+                opt_state=state.opt_state._replace(acc_grads=None),
+                acc_grads=zeros(structs.acc_grads),
+                model_state=state.model_state,
+                totals=zeros(structs.totals),
+                batch=zeros(structs.batch),
+                weights=jnp.ones(size, jnp.float32),
+                rng=state.rng,
+                offset=np.int32(0),
+                k=np.int32(2),
+            )
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            seconds.append(time.perf_counter() - start)
+        return min(seconds[1:])
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return jax.tree.structure(a) == jax.tree.structure(b) and all(
+            x == y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+    except (TypeError, ValueError):
+        return False

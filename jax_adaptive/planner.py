@@ -1,0 +1,463 @@
+"""The plan: which micro-batch size to run, and how it changes when memory does.
+
+`Planner` decides the size from the capacity and each size's `jax_adaptive.Ledger`
+(everything live on the device while its micro-steps run), through the plan cache or a
+search guided by the memory model; it shrinks the size after an out-of-memory and grows
+it back at an update boundary. Under ``jax.distributed`` every process plans the same
+size (the smallest any found), so all run the same programs.
+
+The capacity a size's ledger is compared with is the smaller of ``memory_limit`` (a
+device of that many bytes: the comparison is exact) and, where the device says (a GPU),
+its ``bytes_limit`` less ``headroom`` less what other live arrays held when the plan was
+made. A real out-of-memory teaches a lower capacity (`Planner.shrink`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from typing import Any, Literal, NamedTuple
+
+from jax_adaptive.distributed import process_any, process_min
+from jax_adaptive.executables import Executable, Executables
+from jax_adaptive.memory import Ledger, MemoryModel, device_bytes_in_use, device_capacity
+from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, is_oom
+from jax_adaptive.plan_cache import PlanCache, plan_key
+from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.step import TrainState
+
+__all__ = ["Plan", "Planner", "SizeTrial"]
+
+log = logging.getLogger("jax_adaptive")
+
+DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
+GrowPolicy = Literal["never", "on_limit_change"] | int
+
+
+class SizeTrial(NamedTuple):
+    """One decision of whether a micro-batch size fits.
+
+    Attributes:
+        size: the micro-batch size.
+        fits: the answer.
+        estimated_bytes: the peak the ledger gives the size (None if it did not
+            compile): the sum of the three parts below.
+        seconds: what deciding cost (compile, run).
+        decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
+            ``"cache"`` (a size measured before), ``"compile"`` (compiling ran out of
+            memory), ``"run"`` (a real run ran out of memory), ``"learned"`` (the peak
+            is above the capacity learned from real out-of-memory errors), ``"plan
+            cache"`` (a plan a run of the same job stored; its first run is still
+            guarded).
+        reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
+        state_bytes: the resident train state, accumulator and totals.
+        in_flight_bytes: the inputs and new outputs of the micro-steps in flight.
+        program_bytes: the micro-step's temporaries and code.
+    """
+
+    size: int
+    fits: bool
+    estimated_bytes: int | None
+    seconds: float
+    decided_by: DecidedBy
+    reason: str
+    state_bytes: int | None = None
+    in_flight_bytes: int | None = None
+    program_bytes: int | None = None
+
+
+class Plan(NamedTuple):
+    """The size in use and what it costs.
+
+    Attributes:
+        micro_batch_size: the size.
+        accumulation_steps: micro-steps per update.
+        ledger: everything live while it runs (None before it was measured: a fixed
+            size or a plan from the cache, until its first compile).
+        capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
+    """
+
+    micro_batch_size: int
+    accumulation_steps: int
+    ledger: Ledger | None
+    capacity: int | None
+
+
+class Planner:
+    """Plans the micro-batch size over an `jax_adaptive.executables.Executables`.
+
+    Args:
+        executables: the compiled pieces (bound to a state and an example shape).
+        target_batch_size: examples per update.
+        fixed: a fixed size, never searched nor changed; None to search.
+        memory_limit, headroom, grow, oom_retries, multiple_of, plan_cache,
+            objective: as `jax_adaptive.AdaptiveTrainer` documents them.
+        shards: the data shards every size must be a multiple of.
+        device: the device whose capacity counts.
+        memory_prior: a predicted ``(intercept, slope)`` of the peak against the size
+            (`jax_adaptive.predict_line`), guiding the first compiles of a search.
+
+    Attributes:
+        search_log: every `SizeTrial`.
+        throughput_log: the timed candidates of ``objective="throughput"``.
+        memory_model: the `jax_adaptive.MemoryModel` of every size measured.
+    """
+
+    def __init__(
+        self,
+        executables: Executables,
+        *,
+        target_batch_size: int,
+        fixed: int | None = None,
+        memory_limit: int | None = None,
+        headroom: float = 0.05,
+        grow: GrowPolicy = "on_limit_change",
+        oom_retries: int = 3,
+        multiple_of: int = 1,
+        shards: int = 1,
+        plan_cache: PlanCache | None = None,
+        objective: Literal["max", "throughput"] = "max",
+        device: Any = None,
+        memory_prior: tuple[float, float] | None = None,
+    ):
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"{headroom=} must be in [0, 1).")
+        if not (grow in ("never", "on_limit_change") or (isinstance(grow, int) and grow > 0)):
+            raise ValueError(f"{grow=} must be 'never', 'on_limit_change' or a positive int.")
+        if objective not in ("max", "throughput"):
+            raise ValueError(f"{objective=} must be 'max' or 'throughput'.")
+        self.executables, self.target_batch_size, self.fixed = executables, target_batch_size, fixed
+        self.memory_limit, self.headroom, self.grow = memory_limit, headroom, grow
+        self.oom_retries, self.multiple_of, self.shards = oom_retries, multiple_of, shards
+        self.plan_cache, self.objective, self.device = plan_cache, objective, device
+        self.memory_model = MemoryModel(prior=memory_prior)
+        self.search_log: list[SizeTrial] = []
+        self.throughput_log: list[dict[str, float]] = []
+        self.size: int | None = None
+        self._others = 0  # bytes other live arrays held on the device at the last plan
+        self._learned_cap: int | None = None  # below the peaks that really failed
+        self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
+        self._real_ooms_this_update = 0
+        self._limit_raised = False
+        self._updates_since_grow = 0
+
+    # ------------------------------------------------------------ capacity and ledgers
+
+    def capacity(self) -> int | None:
+        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit)."""
+        caps = [] if self.memory_limit is None else [self.memory_limit]
+        device_bytes = device_capacity(self.device)
+        if device_bytes is not None:
+            caps.append(int(device_bytes * (1.0 - self.headroom)) - self._others)
+        return min(caps) if caps else None
+
+    def _measure_others(self) -> None:
+        in_use = device_bytes_in_use(self.device)
+        if in_use is not None:
+            self._others = max(0, in_use - self.executables.state_bytes())
+
+    def ledger(self, size: int) -> Ledger:
+        """The size's `jax_adaptive.Ledger`, compiling its micro-step if need be."""
+        ledger = self.executables.ledger(size)
+        self.memory_model.add(size, ledger.total)
+        return ledger
+
+    def check(self, size: int) -> None:
+        """Raises the simulated out-of-memory when the size's peak exceeds the capacity."""
+        capacity = self.capacity()
+        needed = self.ledger(size).total
+        if capacity is not None and needed > capacity:
+            raise SimulatedOutOfMemory(needed, capacity, what=f"micro-step of {size}")
+
+    def optimizer_step(self) -> tuple[Executable, bool]:
+        """The optimizer step to use, and whether it donates the state.
+
+        Without donation (a failure loses nothing) when the state twice fits; donating
+        the state when only that fits.
+        """
+        capacity = self.capacity()
+        for donate in (False, True):
+            executable = self.executables.optimizer_step(donate)
+            needed = self.executables.optimizer_step_ledger(donate).total
+            if capacity is None or needed <= capacity:
+                return executable, donate
+        raise NothingFitsError(
+            1,
+            [],
+            detail=f"the optimizer step alone needs {needed:,} bytes (the train state "
+            f"updated in place) and {capacity:,} bytes are available",
+        )
+
+    @property
+    def plan(self) -> Plan:
+        """The `Plan` in use."""
+        if self.size is None:
+            raise RuntimeError("call trainer.init(params, example_batch) first.")
+        known = self.size in self.memory_model.points
+        return Plan(
+            self.size,
+            math.ceil(self.target_batch_size / self.size),
+            self.executables.ledger(self.size) if known else None,
+            self.capacity(),
+        )
+
+    # ------------------------------------------------------------ planning
+
+    def plan_for(self, state: TrainState) -> int:
+        """Plans the size for a bound state: fixed, from the plan cache, or searched."""
+        self._measure_others()
+        self.optimizer_step()  # compiles it, and checks that the state itself fits
+        if self.fixed is not None:
+            self.size = self.fixed
+            self.executables.micro(self.fixed)
+            return self.size
+        cached = self._cached_plan()
+        if cached is None:
+            cached = self._search(hi=self.target_batch_size, reason="init")
+            if self.objective == "throughput":
+                cached = self._fastest(state, cached)
+        self._use(process_min(cached))
+        return self.size
+
+    def _use(self, size: int) -> None:
+        """Takes ``size``, stores it under the live key, and frees the other sizes' code."""
+        self.size = size
+        self._store_plan()
+        self.executables.release(keep={size})
+
+    def key(self) -> str:
+        """The plan cache's key: what decides the plan, as it is now (the live limit)."""
+        device = self.device
+        return plan_key(
+            platform=device.platform,
+            device_kind=device.device_kind,
+            device_capacity=device_capacity(device),
+            memory_limit=self.memory_limit,
+            headroom=self.headroom,
+            multiple_of=self.multiple_of,
+            shards=self.shards,
+            target_batch_size=self.target_batch_size,
+            example=str(self.executables.example),
+            micro_step=self.executables.fingerprint(self.shards),
+        )
+
+    def _cached_plan(self) -> int | None:
+        """The size a run of the same job stored, if it makes sense; else None."""
+        if self.plan_cache is None:
+            return None
+        start = time.perf_counter()
+        entry = self.plan_cache.get(self.key())
+        if entry is None:
+            return None
+        size = entry.get("micro_batch_size")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not 1 <= size <= self.target_batch_size
+        ):
+            warnings.warn(
+                f"ignoring a stale plan in {self.plan_cache.path}: micro_batch_size={size!r} "
+                f"is not in [1, {self.target_batch_size}]",
+                stacklevel=4,
+            )
+            return None
+        seconds = time.perf_counter() - start
+        self._log(size, True, entry.get("estimated_bytes"), seconds, "plan cache", "init")
+        return size
+
+    def _store_plan(self) -> None:
+        if self.plan_cache is None or self.fixed is not None:
+            return
+        known = self.size in self.memory_model.points
+        self.plan_cache.put(
+            self.key(),
+            {
+                "micro_batch_size": self.size,
+                "estimated_bytes": self.memory_model.points[self.size] if known else None,
+                "target_batch_size": self.target_batch_size,
+                "capacity": self.capacity(),
+            },
+        )
+
+    def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
+        parts = (
+            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
+        )
+        total = ledger.total if isinstance(ledger, Ledger) else ledger
+        self.search_log.append(SizeTrial(size, fits, total, seconds, decided_by, reason, *parts))
+        log.info(
+            "micro-batch %d %s (%s, %s bytes)",
+            size,
+            "fits" if fits else "does not fit",
+            decided_by,
+            f"{total:,}" if total is not None else "?",
+        )
+
+    def _guide_capacity(self) -> int | None:
+        """The capacity the search aims under: the real one or the learned one if lower."""
+        return min([c for c in (self.capacity(), self._learned_cap) if c is not None], default=None)
+
+    def _fits(self, size: int, reason: str) -> bool:
+        """Decides one size: compiles it (once ever), compares its ledger, logs it."""
+        start = time.perf_counter()
+        measured = size in self.memory_model.points
+        ledger, decided = None, "compile"
+        if not measured:
+            self.executables.lower(size)  # outside the try: only XLA's errors can be OOMs
+        try:
+            ledger = self.ledger(size)
+            decided = "cache" if measured else "estimate"
+            self.check(size)
+            if self._learned_cap is not None and ledger.total > self._learned_cap:
+                decided = "learned"
+                raise SimulatedOutOfMemory(ledger.total, self._learned_cap, f"micro-step of {size}")
+            ok = True
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            ok = False
+        self._log(size, ok, ledger, time.perf_counter() - start, decided, reason)
+        return ok
+
+    def _search(self, *, hi: int, reason: str, lo: int = 1) -> int:
+        """The largest size in [lo, hi] whose ledger fits, guided by the memory model.
+
+        Sizes are multiples of ``multiple_of`` (and always of the data shards) unless
+        none fits. The capacity learned from real out-of-memory errors guides the search
+        but never makes a run fail: only a real run says a size does not fit.
+        """
+        capacity = self._guide_capacity()
+        propose = self.memory_model.propose(capacity) if capacity is not None else None
+        least = self.shards
+        preferred = math.lcm(self.multiple_of, least)
+        multiple = preferred if hi // preferred * preferred >= max(lo, least) else least
+
+        def fits(size: int) -> bool:
+            return self._fits(size, reason)
+
+        try:
+            try:
+                return search_max_size(
+                    fits, lo=max(lo, least), hi=hi, multiple_of=multiple, propose=propose
+                ).size
+            except NothingFitsError:
+                if multiple == least or lo >= multiple:
+                    raise
+                return search_max_size(
+                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
+                ).size
+        except NothingFitsError as exc:
+            raise self._nothing_fits(exc.smallest, exc.trials, exc) from None
+
+    def _nothing_fits(self, size: int, trials: list, cause: Exception | None) -> NothingFitsError:
+        """The one error for a size that does not fit, with the bytes it needs."""
+        needed = self.memory_model.points.get(size)
+        capacity = self._guide_capacity()
+        return NothingFitsError(
+            size,
+            trials,
+            detail=f"a micro-step of {size} needs "
+            f"{f'{needed:,}' if needed is not None else '?'} bytes (estimate) and "
+            f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
+        )
+
+    def _fastest(self, state: TrainState, largest: int) -> int:
+        """The candidate at or below ``largest`` whose update is fastest, timed on zeros.
+
+        Candidates: ``largest`` and ``ceil(T / k)`` for the three smallest ``k`` it
+        allows (the same micro-steps with less padding, or one or two more).
+        """
+        T, shards = self.target_batch_size, self.shards
+        k = math.ceil(T / largest)
+        fewest = (min(largest, -(-math.ceil(T / j) // shards) * shards) for j in range(k, k + 3))
+        timings = {}
+        for size in sorted({largest, *fewest}, reverse=True):
+            capacity = self._guide_capacity()
+            if capacity is not None and self.ledger(size).total > capacity:
+                continue
+            try:
+                seconds = self.executables.time_micro_step(size, state) * math.ceil(T / size)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                continue  # a real out-of-memory: not a candidate
+            timings[size] = seconds
+            self.throughput_log.append(
+                {"size": size, "seconds_per_update": seconds, "examples_per_second": T / seconds}
+            )
+        return min(timings, key=timings.get)
+
+    # ------------------------------------------------------------ changes
+
+    def start_update(self) -> None:
+        """Called at each update's start: grows back if the policy says so."""
+        self._real_ooms_this_update = 0
+        if self.fixed is not None or self.size == self.target_batch_size:
+            return
+        periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
+        # Every process counts the same updates; only a raised limit is local news.
+        on_limit = self.grow == "on_limit_change" and process_any(self._limit_raised)
+        if not (periodic or on_limit):
+            return
+        self._limit_raised = False
+        self._updates_since_grow = 0
+        if periodic:
+            self._learned_cap = None  # memory may have come back: let real runs decide
+        self._measure_others()
+        try:
+            grown = self._search(lo=self.size, hi=self.target_batch_size, reason="grow")
+        except NothingFitsError:
+            grown = self.size  # not even the current size fits now: the step shrinks it
+        self._use(process_min(grown))
+
+    def finish_update(self) -> None:
+        """Called after each update: counts it for the periodic grow policy."""
+        self._updates_since_grow += 1
+
+    def ran(self) -> None:
+        """Called after a micro-step ran: out-of-memory errors are no longer in a row."""
+        self._oom_streak = 0
+
+    def set_memory_limit(self, memory_limit: int | None) -> None:
+        """Changes the cap; a raise lets the planner grow at the next update."""
+        old = self.memory_limit
+        self._limit_raised = (memory_limit is None) if old is not None else False
+        if memory_limit is not None and old is not None:
+            self._limit_raised = memory_limit > old
+        self.memory_limit = memory_limit
+
+    def shrink(self, exc: BaseException, size: int) -> int:
+        """Marks ``size`` as not fitting after ``exc`` and plans a smaller one.
+
+        A real out-of-memory says the ledger was too optimistic here: the capacity
+        becomes the failed size's peak less ``headroom`` the first time in an update,
+        and half of it each further time (the peak is then no guide), so a few compiles
+        reach a size that runs; the memory model picks each size.
+        """
+        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
+        peak = self.memory_model.points.get(size)
+        if peak is None:
+            peak = self.ledger(size).total
+        self._log(size, False, peak, 0.0, "run" if real else "estimate", "step")
+        log.warning("micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated")
+        self._oom_streak += 1
+        if real:
+            self._real_ooms_this_update += 1
+            first = self._real_ooms_this_update == 1
+            cap = min(int(peak * (1.0 - self.headroom)), peak - 1) if first else peak // 2
+            self._learned_cap = min(cap, self._learned_cap or cap)
+        try:
+            if size <= self.shards:
+                raise self._nothing_fits(size, [], exc) from exc
+            self._use(
+                process_min(self._search(hi=size - 1, reason=f"out of memory at size {size}"))
+            )
+        except NothingFitsError:
+            # A real out-of-memory can pass (fragmentation, another job's peak): retry the
+            # smallest size a few times in a row before giving up.
+            if not real or self._oom_streak > self.oom_retries:
+                raise
+            self._use(self.shards)
+        return self.size

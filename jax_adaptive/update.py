@@ -1,0 +1,275 @@
+"""One exact update: the micro-steps of a target batch, then the optimizer step.
+
+`Updater.run` cuts the batch into micro-batches of the planned size, keeps at most
+``in_flight`` of them on the device at once (the next one is transferred while the
+current one runs: a prefetch within the same budget the ledger counts), and applies the
+optimizer once. An out-of-memory in any micro-step (real, or simulated by the capacity)
+leaves the parameters, the optimizer state and the model state alive (the micro-step
+donates only the accumulator and the totals), so the planner shrinks the size and the
+update goes on from the last micro-step that survived, or starts again: nothing is
+lost and no example is counted twice.
+
+A new size's first update, and an update that already failed, keep a host copy of what
+a failure could lose and the micro-step changes (the accumulator, the totals, the model
+state and the mini-step count), never the inner optimizer state the micro-step only
+reads. `Updater.host_bytes` counts those copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jax_adaptive.data import micro_batches
+from jax_adaptive.distributed import Placement, agreed, place, process_min
+from jax_adaptive.executables import MicroArgs, zeros
+from jax_adaptive.memory import tree_bytes
+from jax_adaptive.oom import is_oom
+from jax_adaptive.planner import Planner
+from jax_adaptive.step import Batch, TrainState
+
+__all__ = ["OptimizerStepOutOfMemory", "StateLostError", "Updater"]
+
+
+class OptimizerStepOutOfMemory(RuntimeError):
+    """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
+
+    The optimizer step needs the same memory whatever the micro-batch size, so shrinking
+    cannot help: free device memory, then call ``step(error.state, batch)`` again.
+    """
+
+    def __init__(self, state: TrainState):
+        self.state = state
+        super().__init__(
+            "the optimizer step ran out of memory (its need does not depend on the "
+            "micro-batch size); the state at the start of the update is in error.state."
+        )
+
+
+class StateLostError(RuntimeError):
+    """A donating call failed after its first run and XLA deleted the train state."""
+
+
+class _Saved(NamedTuple):
+    arrays: Any  # host copies of (acc, model_state, totals)
+    mini_step: int
+    offset: int
+    steps: int
+
+
+@dataclasses.dataclass
+class _Progress:
+    """How far the current update got: what a failed micro-step lets it go on from."""
+
+    acc: Any
+    mini_step: Any
+    model_state: Any
+    totals: Any
+    offset: int = 0  # the first example not yet accumulated
+    steps: int = 0  # micro-steps accumulated
+    saved: _Saved | None = None  # a host copy of a point the update can go on from
+
+    def kept(self) -> tuple[Any, Any, Any]:
+        return self.acc, self.model_state, self.totals
+
+
+def _is_deleted(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+
+
+class Updater:
+    """Runs exact updates with the sizes a `jax_adaptive.planner.Planner` gives.
+
+    Args:
+        planner: the plan (and, through it, the compiled pieces).
+        placement: where micro-batches go.
+        in_flight: the most micro-steps dispatched and not finished at once.
+
+    Attributes:
+        host_bytes: bytes copied to the host so far (saves that make failures cheap,
+            and the snapshot before a donating optimizer step).
+    """
+
+    def __init__(self, planner: Planner, placement: Placement, in_flight: int = 2):
+        if in_flight < 1:
+            raise ValueError(f"{in_flight=} must be at least 1.")
+        self.planner, self.executables = planner, planner.executables
+        self.placement, self.in_flight = placement, in_flight
+        self.T = planner.target_batch_size
+        self.host_bytes = 0
+        self._ran: set[int] = set()  # sizes that completed an update
+        self._optimizer_ran: set[bool] = set()
+
+    def run(self, state: TrainState, batch: Batch, weights: Any = None) -> tuple[TrainState, dict]:
+        """One update of ``state`` on ``batch`` (``weights``: per example, 1 by default)."""
+        self.planner.start_update()
+        weights = np.ones(self.T, np.float32) if weights is None else weights
+        progress = self._fresh(state)
+        failed = False
+        while True:
+            size = self.planner.size
+            try:
+                self._accumulate(state, (batch, weights), size, progress, cautious=failed)
+                break
+            except Exception as exc:
+                if self.planner.fixed is not None or not is_oom(exc):
+                    raise
+                self.planner.shrink(exc, size)
+                # Go on from the micro-step that failed when what came before survived;
+                # else start the update again from the state, which nothing donated.
+                salvaged = self._salvage(state, progress)
+                if not process_min(salvaged is not None):  # all go on, or all start again
+                    salvaged = None
+                progress = salvaged or self._fresh(state)
+                failed = True
+        out = self._apply(state, progress)
+        self.planner.finish_update()
+        return out
+
+    # ------------------------------------------------------------ micro-steps
+
+    def _fresh(self, state: TrainState) -> _Progress:
+        acc = state.opt_state.acc_grads
+        if _is_deleted(acc):  # donated to a micro-step that failed
+            acc = zeros(self.executables.state_structs.opt_state.acc_grads)
+        totals = zeros(self.executables.totals_struct)
+        return _Progress(acc, state.opt_state.mini_step, state.model_state, totals)
+
+    def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
+        """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
+
+        At most ``in_flight`` micro-batches are on the device: before the next is
+        transferred, the oldest micro-step still running is waited for. ``cautious``
+        (after an out-of-memory in this update) and a size's first run also wait for
+        each micro-step before the next runs and keep a host copy of its result, so a
+        failure costs one micro-step, not the update.
+        """
+        # What would fail before any micro-step runs (a compile, the capacity), agreed.
+        agreed(lambda: (self.executables.micro(size), self.planner.check(size)), size)
+        compiled = self.executables.micro(size).compiled
+        hook = self.executables.fault_hook
+        cautious = cautious or size not in self._ran
+        remaining = math.ceil((self.T - p.offset) / size)
+        k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
+        running: collections.deque = collections.deque()  # each micro-step's mini_step
+        opt = state.opt_state._replace(acc_grads=None)
+        for micro in micro_batches(batch, size, start=p.offset):
+            while len(running) >= self.in_flight:
+                jax.block_until_ready(running.popleft())
+            chunk, weights = micro.batch
+            chunk, weights = self.placement.micro_batch(
+                (chunk, np.where(micro.mask, np.asarray(weights, np.float32), 0))
+            )
+            if cautious and p.steps:  # the previous micro-step must fail inside the try
+                agreed(lambda: self._save(p), size)
+                self.planner.ran()
+            args = MicroArgs(
+                state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
+                p.totals, chunk, weights, state.rng, np.int32(micro.offset), k,
+            )  # fmt: skip
+            if hook is not None:
+                agreed(lambda args=args: hook.before_execution(size, args), size)
+            p.acc, p.mini_step, p.model_state, p.totals = compiled(*args)
+            p.offset, p.steps = min(micro.offset + size, self.T), p.steps + 1
+            running.append(p.mini_step)
+            del chunk, weights, args  # the transferred micro-batch lives while it runs only
+        # A late (asynchronous) failure must surface as the micro-step's, not later.
+        if cautious:
+            agreed(lambda: self._save(p), size)
+        else:
+            agreed(lambda: jax.block_until_ready(p.kept()), size)
+        self.planner.ran()
+        self._ran.add(size)
+
+    def _save(self, p: _Progress) -> None:
+        """Copies what the last micro-step changed to the host.
+
+        It blocks first: that raises a failed run's error, where reading a failed
+        buffer straight away can abort the process on XLA:CPU.
+        """
+        jax.block_until_ready((*p.kept(), p.mini_step))
+        arrays = jax.device_get(p.kept())
+        self.host_bytes += tree_bytes(arrays)
+        p.saved = _Saved(arrays, int(p.mini_step), p.offset, p.steps)
+
+    def _salvage(self, state: TrainState, p: _Progress) -> _Progress | None:
+        """The progress of a failed update if it can go on, else None (start it again).
+
+        It goes on from the device buffers when the failure left them alive (a simulated
+        limit, an out-of-memory at dispatch), else from the host copy of the last
+        micro-step that a new size's first run keeps.
+        """
+        if p.steps == 0:
+            return None
+        if not _is_deleted(p.kept()):
+            try:  # a failure may have surfaced late, poisoning buffers still alive
+                jax.block_until_ready(p.kept())
+                return p
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+        if p.saved is None:
+            return None
+        saved, ex = p.saved, self.executables
+        structs = (ex.state_structs.opt_state.acc_grads, ex.state_structs.model_state)
+        shardings = jax.tree.map(lambda s: s.sharding, (*structs, ex.totals_struct))
+        acc, model_state, totals = place(saved.arrays, shardings)
+        mini_step = place(np.int32(saved.mini_step), state.opt_state.mini_step.sharding)
+        return _Progress(acc, mini_step, model_state, totals, saved.offset, saved.steps, saved)
+
+    # ------------------------------------------------------------ the optimizer step
+
+    def _apply(self, state: TrainState, p: _Progress) -> tuple[TrainState, dict[str, Any]]:
+        executable, donating = self.planner.optimizer_step()
+        opt = state.opt_state._replace(acc_grads=p.acc, mini_step=p.mini_step)
+        inputs = (state.params, opt, p.totals, np.int32(p.steps + 1))
+        # A donating call that fails deletes its inputs: keep a host copy for its first
+        # run. A call that does not donate loses nothing: no copy.
+        snapshot = None
+        if donating and donating not in self._optimizer_ran:
+            snapshot = jax.device_get(inputs[:2])
+            self.host_bytes += tree_bytes(snapshot)
+        try:
+            params, opt_state, means = executable.compiled(*inputs)
+            jax.block_until_ready((params, opt_state, means))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            raise self._optimizer_failed(state, inputs, snapshot) from exc
+        self._optimizer_ran.add(donating)
+        metrics = {
+            **means,
+            "micro_batch_size": self.planner.size,
+            "accumulation_steps": p.steps,
+            "examples": self.T,
+        }
+        return TrainState(params, opt_state, p.model_state, state.rng), metrics
+
+    def _optimizer_failed(self, state: TrainState, inputs: tuple, snapshot: Any) -> Exception:
+        """The error for an optimizer step that ran out of memory, with the state kept."""
+        params, opt = inputs[:2]
+        structs = self.executables.state_structs
+        if _is_deleted(inputs[:2]):
+            if snapshot is None:
+                return StateLostError(
+                    "the optimizer step, donating the train state because the state twice "
+                    "does not fit, ran out of memory inside its run and XLA deleted the "
+                    "state: restore it from your last checkpoint, and leave more memory free."
+                )
+            shardings = jax.tree.map(lambda s: s.sharding, (structs.params, structs.opt_state))
+            params, opt = place(snapshot, shardings)
+        restored = TrainState(
+            params,
+            opt._replace(
+                acc_grads=zeros(structs.opt_state.acc_grads),
+                mini_step=zeros(structs.opt_state.mini_step),
+            ),
+            state.model_state,
+            state.rng,
+        )
+        return OptimizerStepOutOfMemory(restored)
