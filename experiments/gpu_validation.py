@@ -37,11 +37,13 @@ The JSON file:
     (``jax_adaptive.is_oom`` of the error), ``error_type`` and ``error_head`` (its
     first 200 characters); ``is_oom``: true when every attempt was caught as an OOM.
   * ``search_vs_brute_force``: ``target_batch_size`` T, ``memory_limit`` L (chosen
-    between the estimates at 1 and T), ``micro_batch_size`` and ``compiles`` of an
+    between the ledger totals at 1 and T), ``micro_batch_size`` and ``compiles`` of an
     ``AdaptiveTrainer(memory_limit=L, plan_cache=False)``, its ``search_log``,
-    ``brute_force`` (the largest size in [1, T] whose ``estimate_peak_bytes`` is at
-    most L, every size compiled), ``estimates`` (by size), ``monotone`` (whether the
-    estimates never decrease), ``equal`` and ``loss`` (one update at that size).
+    ``brute_force`` (the largest size in [1, T] whose ``trainer.ledger(size).total``
+    is at most L, every size compiled), ``ledgers`` (those totals by size),
+    ``estimates`` (the micro-step's own ``estimate_peak_bytes`` by size, for
+    comparison), ``monotone`` (whether the ledgers never decrease), ``equal`` and
+    ``loss`` (one update at that size).
   * ``estimate_vs_peak``: ``sizes``, one fresh child per micro-batch size (a peak cannot
     be reset): ``estimate`` (``estimate_peak_bytes`` of the micro-step), ``report``
     (XLA's memory analysis), ``bytes_in_use_before`` (after ``init``, before the step),
@@ -62,6 +64,36 @@ The JSON file:
     ``warmup``, ``timed_updates``, ``updates_per_s``, ``micro_steps_per_s``,
     ``images_per_s``, ``estimate`` and ``peak_bytes_in_use``; ``skipped``: the sizes
     the time box (``budget_seconds``) left out.
+  * ``adam_ledger``: the plan of ``AdaptiveTrainer(loss, optax.adam(1e-3),
+    target_batch_size=T, plan_cache=False)`` for a model whose Adam moments are a large
+    share of memory (an embedding of 2^30 float32 parameters on a GPU, with the
+    autotuner off: ``--xla_gpu_autotune_level=0``, see ``GPU_XLA_FLAGS``), planned with
+    no ``memory_limit`` on a GPU (the device's capacity) and, with ``--smoke``, with
+    ``memory_limit`` between the ledgers of T/2 and T/2 + 1 (a CPU gives no capacity),
+    then two updates. ``target_batch_size``, ``memory_limit`` (null on a GPU),
+    ``capacity`` (``trainer.capacity()``), ``micro_batch_size``, ``accumulation_steps``,
+    ``compiles`` (by ``init``), ``init_seconds``, ``search_log`` (rows of size, fits,
+    estimated_bytes, decided_by, state_bytes, in_flight_bytes, program_bytes);
+    ``ledger`` (the planned size's ``state``, ``in_flight``, ``program`` and ``total``),
+    ``next_size`` and ``next_ledger_total`` (one example more: above the capacity when
+    the plan is the exact max); ``program_estimate`` and ``next_program_estimate``
+    (``estimate_peak_bytes`` of those sizes' micro-steps: the estimate before the
+    ledger), ``missed_by_program_estimate`` (ledger total less it) and
+    ``old_estimate_takes_next`` (whether that estimate would have let the next size in);
+    ``params_bytes``, ``moments_bytes`` (the inner optimizer state: Adam's count, mu
+    and nu) and ``state_bytes_live`` (``nbytes`` of every leaf of the live train state;
+    the ledger's state part adds the running totals of the metrics). Device figures
+    (null on a CPU): ``bytes_limit``, ``bytes_in_use_before`` and ``peak_before_step``
+    (after ``init``, before the updates), ``peak_bytes_in_use`` (after them) and
+    ``peak_rose_in_step`` (the peak is the process's since it started: it is the
+    updates' only where it rose); ``trainer_peak`` (the peak less what arrays other than
+    the train state held before the updates: the figure the ledger is comparable with),
+    ``ledger_over_trainer_peak`` (at least 1 where the ledger is an upper bound),
+    ``ledger_over_peak`` (against the raw peak) and
+    ``program_estimate_over_trainer_peak``. Then ``updates``, ``sizes_per_update``,
+    ``run_decisions_per_update`` (the ``search_log`` rows decided by a real
+    out-of-memory, counted after each update), ``fits_first_run`` (none at the first
+    update, which ran at the planned size), ``host_bytes`` and ``loss``.
 """
 
 from __future__ import annotations
@@ -87,12 +119,18 @@ CHECKS = (
     "estimate_vs_peak",
     "donation_after_oom",
     "resnet50_throughput",
+    "adam_ledger",
 )
 CHECK_ENV: dict[str, dict[str, str]] = {
     "oom_preallocate_false": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     "oom_mem_fraction": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25"},
 }
 SMOKE_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
+# Flags added to XLA_FLAGS on a GPU only. The autotuner runs each candidate GEMM on
+# buffers of the real shapes while the train state is live: at adam_ledger's sizes that
+# is tens of GB outside any program's memory analysis (it would set the peak, or fail a
+# compile), and seconds per compile.
+GPU_XLA_FLAGS = {"adam_ledger": "--xla_gpu_autotune_level=0"}
 # The subprocess timeouts in seconds, on a GPU and with --smoke.
 TIMEOUTS = {"gpu": 150, "smoke": 120}
 RESNET_TIMEOUT = {"gpu": 240, "smoke": 150}
@@ -108,6 +146,20 @@ SEARCH = {  # the model of search_vs_brute_force and estimate_vs_peak
     "gpu": {"target": 64, "length": 256, "d_in": 64, "width": 256},
     "smoke": {"target": 10, "length": 32, "d_in": 16, "width": 32},
 }
+# The model of adam_ledger. On the GPU: an embedding of 2^30 float32 parameters (4 GiB;
+# with Adam's mu and nu and the accumulator 16 GiB of resident state), and per example
+# L x width activations (about 17 MB measured on a CPU), so that the largest micro-batch
+# (near 5,000 on an H200 in the default 75% of its memory) is well below the target
+# even if the GPU keeps a quarter of what the CPU does; one matmul of 64 x width per
+# position keeps each micro-step at a few TFLOP.
+ADAM = {
+    "gpu": {"target": 32768, "length": 256, "vocab": 2**24, "embed": 64, "width": 4096},
+    "smoke": {"target": 16, "length": 32, "vocab": 4096, "embed": 8, "width": 256},
+}
+LOG_FIELDS = (  # adam_ledger's search_log columns
+    "size", "fits", "estimated_bytes", "decided_by", "state_bytes", "in_flight_bytes",
+    "program_bytes",
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------- in the child
@@ -252,18 +304,22 @@ def child_search(smoke: bool, size: int | None) -> dict[str, Any]:
     kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False}
     probe = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), micro_batch_size=1, **kwargs)
     probe.init(params, batch)
-    low = max(ja.estimate_peak_bytes(probe.compile(s)) for s in (1, 2))
-    high = ja.estimate_peak_bytes(probe.compile(target))
+    # The trainer compares each size's ledger (the whole train state too) with the
+    # limit, so the brute force scans ledgers.
+    low = max(probe.ledger(s).total for s in (1, 2))
+    high = probe.ledger(target).total
     limit = low + (high - low) * 3 // 5  # the answer lies well inside [1, T]
     trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), memory_limit=limit, **kwargs)
     state = trainer.init(params, batch)
     searched, compiles = trainer.micro_batch_size, trainer.compiles
     log = [[t.size, t.fits, t.estimated_bytes, t.decided_by] for t in trainer.search_log]
     _, metrics = trainer.step(state, batch)
-    estimates = {s: ja.estimate_peak_bytes(trainer.compile(s)) for s in range(1, target + 1)}
-    fitting = [s for s, e in estimates.items() if e <= limit]
+    sizes = range(1, target + 1)
+    ledgers = {s: trainer.ledger(s).total for s in sizes}
+    estimates = {s: ja.estimate_peak_bytes(trainer.compile(s)) for s in sizes}
+    fitting = [s for s, total in ledgers.items() if total <= limit]
     brute = max(fitting) if fitting else None
-    values = list(estimates.values())
+    values = list(ledgers.values())
     return {
         "target_batch_size": target,
         "memory_limit": limit,
@@ -273,6 +329,7 @@ def child_search(smoke: bool, size: int | None) -> dict[str, Any]:
         "brute_force": brute,
         "equal": searched == brute,
         "monotone": all(a <= b for a, b in itertools.pairwise(values)),
+        "ledgers": ledgers,
         "estimates": estimates,
         "loss": float(metrics["loss"]),
     }
@@ -315,6 +372,140 @@ def child_peak(smoke: bool, size: int | None) -> dict[str, Any]:
         "estimate_over_peak": None if not peak else estimate / peak,
         "loss": float(metrics["loss"]),
     }
+
+
+def _embedding_classifier(smoke: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """A linen embedding, one wide layer per position, then pooled: Adam's state is big.
+
+    The embedding's parameters, their gradient accumulator and Adam's two moments are
+    most of the resident state, and the micro-step reads none of the moments (XLA
+    prunes them from its memory analysis); the activations grow with the micro-batch.
+
+    Returns:
+        ``(loss_fn, params, batch)``: the per-example loss (with accuracy as aux), the
+        parameters and a host batch of ``target`` examples.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_adaptive.models import linen_classifier_loss
+
+    cfg = ADAM["smoke" if smoke else "gpu"]
+
+    class EmbeddingClassifier(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+            x = nn.Embed(cfg["vocab"], cfg["embed"])(tokens)
+            x = nn.relu(nn.Dense(cfg["width"])(x))
+            return nn.Dense(10)(jnp.mean(x, axis=1))
+
+    model = EmbeddingClassifier()
+    tokens = jnp.zeros((1, cfg["length"]), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    rng = np.random.default_rng(0)
+    target = cfg["target"]
+    batch = {  # on the host: the trainer moves one micro-batch at a time
+        "tokens": rng.integers(0, cfg["vocab"], (target, cfg["length"]), dtype=np.int32),
+        "label": rng.integers(0, 10, target).astype(np.int32),
+    }
+    return linen_classifier_loss(model, image_key="tokens"), params, batch
+
+
+def child_adam_ledger(smoke: bool, size: int | None) -> dict[str, Any]:
+    """An Adam plan whose moments are a large share of memory, against the device's peak."""
+    import jax
+    import optax
+
+    import jax_adaptive as ja
+
+    target = ADAM["smoke" if smoke else "gpu"]["target"]
+    loss_fn, params, batch = _embedding_classifier(smoke)
+    kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False}
+    limit = None
+    if smoke:  # a CPU gives no capacity: a limit between the ledgers of T/2 and T/2 + 1
+        probe = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), micro_batch_size=1, **kwargs)
+        probe.init(params, batch)
+        half = target // 2
+        limit = (probe.ledger(half).total + probe.ledger(half + 1).total) // 2
+        del probe
+    device = jax.devices()[0]
+    trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), memory_limit=limit, **kwargs)
+    began = time.perf_counter()
+    state = trainer.init(params, batch)
+    # The caller's parameters would stay live beside the state's copy after the first
+    # update (the optimizer step replaces them): drop them, as a training script does.
+    del params
+    init_seconds, compiles = time.perf_counter() - began, trainer.compiles
+    plan = trainer.plan_info
+    micro = plan.micro_batch_size
+    ledger = trainer.ledger(micro)
+    estimate = ja.estimate_peak_bytes(trainer.compile(micro))
+    above = micro + 1 if micro < target else None
+    next_ledger = None if above is None else trainer.ledger(above).total
+    next_estimate = None if above is None else ja.estimate_peak_bytes(trainer.compile(above))
+    live = sum(x.nbytes for x in jax.tree.leaves(state))
+    moments = sum(x.nbytes for x in jax.tree.leaves(state.opt_state.inner_opt_state))
+    capacity = trainer.capacity()
+    result: dict[str, Any] = {
+        "target_batch_size": target,
+        "memory_limit": limit,
+        "capacity": capacity,
+        "micro_batch_size": micro,
+        "accumulation_steps": plan.accumulation_steps,
+        "compiles": compiles,
+        "init_seconds": round(init_seconds, 2),
+        "search_log": [[getattr(t, f) for f in LOG_FIELDS] for t in trainer.search_log],
+        "ledger": {**ledger._asdict(), "total": ledger.total},
+        "next_size": above,
+        "next_ledger_total": next_ledger,
+        "program_estimate": estimate,
+        "next_program_estimate": next_estimate,
+        "missed_by_program_estimate": ledger.total - estimate,
+        "old_estimate_takes_next": (
+            None if capacity is None or next_estimate is None else next_estimate <= capacity
+        ),
+        "params_bytes": sum(x.nbytes for x in jax.tree.leaves(state.params)),
+        "moments_bytes": moments,
+        "state_bytes_live": live,
+    }
+    _emit(result)  # a timeout in the steps keeps the plan
+    before = _memory_stats(device) or {}
+    in_use = before.get("bytes_in_use")
+    sizes, runs = [], []
+    for _ in range(2):
+        state, metrics = trainer.step(state, batch)
+        sizes.append(int(metrics["micro_batch_size"]))  # blocks on the update
+        runs.append(sum(t.decided_by == "run" for t in trainer.search_log))
+    after = _memory_stats(device) or {}
+    peak, peak_before = after.get("peak_bytes_in_use"), before.get("peak_bytes_in_use")
+    # The ledger counts the trainer's state and what its micro-steps add, not the
+    # arrays others hold: compare it with the peak less those (in use before the step
+    # less the live state). The peak is the process's since it started, so it is the
+    # step's only where it rose above its value before the step.
+    others = None if in_use is None else in_use - live
+    trainer_peak = None if peak is None or others is None else peak - others
+    result |= {
+        "bytes_limit": before.get("bytes_limit"),
+        "bytes_in_use_before": in_use,
+        "peak_before_step": peak_before,
+        "peak_bytes_in_use": peak,
+        "peak_rose_in_step": None if peak is None or peak_before is None else peak > peak_before,
+        "trainer_peak": trainer_peak,
+        "ledger_over_peak": None if not peak else ledger.total / peak,
+        "ledger_over_trainer_peak": None if not trainer_peak else ledger.total / trainer_peak,
+        "program_estimate_over_trainer_peak": (
+            None if not trainer_peak else estimate / trainer_peak
+        ),
+        "updates": int(state.updates),
+        "sizes_per_update": sizes,
+        "run_decisions_per_update": runs,
+        "fits_first_run": runs[0] == 0 and sizes[0] == micro,
+        "host_bytes": trainer.host_bytes,
+        "loss": float(metrics["loss"]),
+    }
+    return result
 
 
 def child_donation(smoke: bool, size: int | None) -> dict[str, Any]:
@@ -479,6 +670,7 @@ CHILDREN: dict[str, Callable[[bool, int | None], dict[str, Any]]] = {
     "estimate_vs_peak": child_peak,
     "donation_after_oom": child_donation,
     "resnet50_throughput": child_resnet,
+    "adam_ledger": child_adam_ledger,
 }
 
 
@@ -509,6 +701,9 @@ def spawn(name: str, smoke: bool, timeout: float, size: int | None = None) -> di
         (or None), ``error`` None when the child reported one without an error.
     """
     env_set = {**(SMOKE_ENV if smoke else {}), **CHECK_ENV.get(name, {})}
+    if not smoke and name in GPU_XLA_FLAGS:
+        flags = (os.environ.get("XLA_FLAGS", ""), GPU_XLA_FLAGS[name])
+        env_set["XLA_FLAGS"] = " ".join(f for f in flags if f)
     env = {**os.environ, **env_set}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]
@@ -608,6 +803,15 @@ def _summary_line(name: str, record: dict[str, Any]) -> str:
         return head + (
             f"is_oom={r['is_oom']} donated_deleted={r['donated_deleted']} "
             f"control_deleted={r['control_deleted']}"
+        )
+    if name == "adam_ledger":
+        ratio = r["ledger_over_trainer_peak"]
+        return head + (
+            f"size={r['micro_batch_size']}/{r['target_batch_size']} "
+            f"ledger={r['ledger']['total']:,} capacity={r['capacity'] or 0:,} "
+            f"program_estimate={r['program_estimate']:,} moments={r['moments_bytes']:,} "
+            f"ledger/trainer_peak={'n/a' if ratio is None else f'{ratio:.3f}'} "
+            f"sizes={r['sizes_per_update']} fits_first_run={r['fits_first_run']}"
         )
     cells = [f"{row['micro_batch_size']}: {row['images_per_s']:.0f} img/s" for row in r["sizes"]]
     return head + f"{r['model']} {r['image']}px " + "; ".join(cells)

@@ -25,7 +25,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_adaptive.oom import PeerOutOfMemory, is_oom
+from jax_adaptive.oom import PeerOutOfMemory, catch_oom
 
 __all__ = ["Placement", "agreed", "data_mesh", "place", "process_any", "process_min"]
 
@@ -134,13 +134,7 @@ def agreed(fn: Callable[[], T], size: int) -> T:
     """
     if jax.process_count() == 1:
         return fn()
-    error = None
-    try:
-        out = fn()
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        error = exc
+    out, error = catch_oom(fn)
     if process_any(error is not None):
         raise error or PeerOutOfMemory(size)
     return out

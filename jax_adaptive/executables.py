@@ -115,7 +115,8 @@ class Executables:
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
         data: the micro-batch's sharding over the data axis, or None on one device.
-        in_flight: how many micro-steps the update keeps in flight at most.
+        in_flight: how many micro-steps the update dispatches ahead at most (one more
+            micro-batch is prefetched).
 
     Attributes:
         compiles: micro-step compiles so far.
@@ -145,7 +146,7 @@ class Executables:
         has_state: bool = False,
         everywhere: jax.sharding.Sharding,
         data: jax.sharding.Sharding | None = None,
-        in_flight: int = 2,
+        in_flight: int = 1,
     ):
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.target_batch_size = target_batch_size
@@ -278,9 +279,10 @@ class Executables:
     def ledger(self, size: int) -> Ledger:
         """Everything live on a device while micro-steps of ``size`` run (see `Ledger`).
 
-        The resident state is counted whole, read or not; each of the ``in_flight``
-        micro-steps holds its transferred micro-batch and its outputs that are not
-        aliased to a donated input (the new model state); one program runs at a time.
+        The resident state is counted whole, read or not. Each of the ``in_flight``
+        micro-steps dispatched holds its transferred micro-batch, its outputs that are
+        not aliased to a donated input (the new model state) and its temporaries (a
+        runtime may allocate them at dispatch); one more micro-batch is prefetched.
         """
         report = self.report(size)
         args = self.micro_structs(size)
@@ -288,8 +290,8 @@ class Executables:
         new_outputs = report["output"] - report["alias"]
         return Ledger(
             state=self.state_bytes(),
-            in_flight=self.in_flight * (inputs + new_outputs),
-            program=report["temp"] + report["code"],
+            in_flight=self.in_flight * (inputs + new_outputs) + inputs,
+            program=self.in_flight * report["temp"] + report["code"],
         )
 
     def state_bytes(self) -> int:

@@ -267,15 +267,27 @@ class MemoryModel:
             (s0, s1), (b0, b1) = sizes, [self.points.get(s, 0) for s in sizes]
             slope = (b1 - b0) / (s1 - s0)
             return None if slope <= 0 else s0 + (capacity - b0) / slope
-        xs = np.array(sizes, dtype=np.float64)
-        ys = np.array([self.points.get(s, 0) for s in sizes], dtype=np.float64)
-        coeffs = np.polyfit(xs, ys - capacity, len(sizes) - 1)
-        roots = [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-9]
-        # The root where the polynomial rises, nearest the measurements.
-        rising = [r for r in roots if np.polyval(np.polyder(coeffs), r) > 0]
+        # The parabola in plain floats, not numpy's polyfit: this runs right after a real
+        # out-of-memory, where a BLAS buffer allocation can abort the process.
+        (x0, x1, x2), (y0, y1, y2) = sizes, [self.points.get(s, 0) - capacity for s in sizes]
+        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        a = (d12 - d01) / (x2 - x0)
+        b = d01 - a * (x0 + x1)
+        c = y0 - a * x0 * x0 - b * x0
+        if a == 0:
+            roots = [] if b == 0 else [-c / b]
+        else:
+            disc = b * b - 4 * a * c
+            if disc < 0:
+                return None
+            q = -(b + math.copysign(math.sqrt(disc), b)) / 2  # the stable quadratic formula
+            roots = [q / a] + ([c / q] if q != 0 else [])
+        # The root where the parabola rises, nearest the measurements.
+        rising = [r for r in roots if 2 * a * r + b > 0]
         if not rising:
             return None
-        return min(rising, key=lambda r: abs(r - xs.mean()))
+        mean = (x0 + x1 + x2) / 3
+        return min(rising, key=lambda r: abs(r - mean))
 
     def propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
         """A ``propose(good, bad)`` for `jax_adaptive.search_max_size` under ``capacity``.

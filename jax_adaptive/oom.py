@@ -1,35 +1,100 @@
 """Recognising XLA out-of-memory errors, and the simulated one.
 
-XLA reports an allocation failure in several forms (DESIGN.md, "How OOM surfaces"):
+XLA reports a failed allocation in these forms (DESIGN.md, "How OOM surfaces"; texts as
+raised by jax 0.10 on a CPU under an address-space limit and jax 0.11 on an H200):
 
-* the first call of a jitted function raises ``jax.errors.JaxRuntimeError``;
-* later calls through the C++ fast path raise a plain ``ValueError`` with the same text;
-* XLA:CPU may wrap it as ``INTERNAL: Error dispatching computation: ... Out of memory``;
-* cuBLAS / cuDNN report a failed workspace allocation in their own words.
+* on a CPU the first call of a jitted function raises ``jax.errors.JaxRuntimeError``,
+  later calls through the C++ fast path a plain ``ValueError``, both with XLA's status
+  first: ``RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes.``;
+* an error that surfaces at a later dispatch comes wrapped, without the status:
+  ``INTERNAL: Error dispatching computation: Out of memory allocating 134217728 bytes.``;
+* on a GPU, a ``JaxRuntimeError`` at ``block_until_ready``: ``RESOURCE_EXHAUSTED: Out of
+  memory while trying to allocate 3.00GiB with allocator GPU_0_bfc on device 0. ...``;
+  the BFC allocator's own ``Allocator (GPU_0_bfc) ran out of memory trying to allocate
+  3.00GiB``, and cuBLAS / cuDNN / the CUDA driver name their status
+  (``CUBLAS_STATUS_ALLOC_FAILED``, ...).
 
-Only these count. Every other error must propagate unchanged, so the test is on the
-message of the error types XLA raises, never on ``RuntimeError`` as a whole.
+Only these count, matched on XLA's own words (the status code first, or an allocator's
+message with its size), never on any text that mentions memory. An exception raised by
+Python code inside ``jax.debug.callback``, ``jax.pure_callback``, ``io_callback`` or a
+buffer callback reaches the caller as the same types (``ValueError`` from
+``pure_callback``'s fast path), as ``INTERNAL: CpuCallback error calling callback:
+Traceback (most recent call last): ...`` ending in the user's own text, on a CPU and a
+GPU alike; such an error never counts, whatever that text says, and propagates unchanged.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 
-__all__ = ["HostOutOfMemory", "PeerOutOfMemory", "SimulatedOutOfMemory", "is_oom"]
+__all__ = [
+    "HostOutOfMemory",
+    "PeerOutOfMemory",
+    "SimulatedOutOfMemory",
+    "catch_oom",
+    "is_oom",
+]
 
-# Phrases XLA, PJRT, cuBLAS and cuDNN use for a failed device allocation.
-_OOM_PATTERN = re.compile(
-    r"RESOURCE_EXHAUSTED"
-    r"|out of memory"
-    r"|failed to allocate"
-    r"|CUBLAS_STATUS_ALLOC_FAILED"
-    r"|CUDNN_STATUS_ALLOC_FAILED"
-    r"|CUDA_ERROR_OUT_OF_MEMORY"
-    r"|cudaErrorMemoryAllocation"
-    r"|Allocator \(.*\) ran out of memory",
-    re.IGNORECASE,
+T = TypeVar("T")
+
+# XLA's status code for a failed allocation, first in the message as absl::Status
+# writes it: "RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes." (XLA:CPU,
+# jax 0.10, first call and fast path alike).
+_STATUS = r"RESOURCE_EXHAUSTED: "
+
+# What jaxlib puts before XLA's message when an earlier run's failure surfaces at a later
+# dispatch: "INTERNAL: Error dispatching computation: Out of memory allocating 134217728
+# bytes." (XLA:CPU, jax 0.10, a failed run's output passed to the next jitted call).
+_WRAPPERS = (r"INTERNAL: Error dispatching computation: ",)
+
+# The status code, at the start of the message or after XLA's own wrappers only: the
+# word anywhere else (inside a user's text) says nothing about who ran out.
+_STATUS_PATTERN = re.compile(rf"(?:{'|'.join(_WRAPPERS)})*{_STATUS}")
+
+# A size as XLA's allocators write it: "402653184 bytes", "3.00GiB", "1.2GiB".
+_SIZE = r"\d+(?:\.\d+)?\s?(?:bytes|[KMGTP]?i?B)"
+
+# XLA's, PJRT's and the CUDA libraries' own words for a failed allocation, each with the
+# size or status name they always carry.
+_ALLOCATION_FAILURES = (
+    # XLA:CPU / the PJRT CPU client: "Out of memory allocating 402653184 bytes." (jax 0.10).
+    rf"Out of memory allocating {_SIZE}",
+    # XLA:GPU's allocators (jax 0.11, CUDA, H200): "Out of memory while trying to allocate
+    # 3.00GiB with allocator GPU_0_bfc on device 0." (BFC) or "... 200.00GiB with
+    # allocator SE_0_space_0 ..." (XLA_PYTHON_CLIENT_ALLOCATOR=platform); older XLA wrote
+    # "... 1073741824 bytes.".
+    rf"Out of memory while trying to allocate {_SIZE}",
+    # The BFC allocator's own report (logged on the H200, and in some statuses):
+    # "Allocator (GPU_0_bfc) ran out of memory trying to allocate 3.00GiB (rounded to ...)".
+    rf"Allocator \(\w+\) ran out of memory trying to allocate {_SIZE}",
+    # cuBLAS and cuDNN workspace allocations, and the CUDA driver's and runtime's statuses
+    # (the H200's platform allocator logged "CUDA_ERROR_OUT_OF_MEMORY: out of memory").
+    r"\bCUBLAS_STATUS_ALLOC_FAILED\b",
+    r"\bCUDNN_STATUS_ALLOC_FAILED\b",
+    r"\bCUDA_ERROR_OUT_OF_MEMORY\b",
+    r"\bcudaErrorMemoryAllocation\b",
+)
+_ALLOCATION_PATTERN = re.compile("|".join(_ALLOCATION_FAILURES))
+
+# How an exception raised by Python code in a host callback reaches the caller: jaxlib
+# puts the callback's Python traceback into an XLA error of the same types as an OOM.
+# A RuntimeError raised in the callback, every call path (first call, fast path, AOT):
+#   "INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):\n
+#    ...\nRuntimeError: <the user's text>"   (debug.callback, pure_callback, io_callback;
+#    jax 0.10 on a CPU, and jax 0.11 on an H200, where jaxlib's GPU handler uses the same
+#    words and XLA appends " [executable_name='jit_f']")
+#   "INTERNAL: Error when calling buffer callback: Traceback (most recent call last): ..."
+#    (jax.experimental.buffer_callback, jax 0.10, CPU)
+# jaxlib 0.10 holds one more such text, "CpuCallback error: ". XLA's own errors never
+# carry a Python traceback, so one anywhere in the text marks the error as the user's.
+_CALLBACK_MARKERS = (
+    "CpuCallback error",
+    "Error when calling buffer callback",
+    "Traceback (most recent call last):",
 )
 
 
@@ -93,23 +158,33 @@ class PeerOutOfMemory(RuntimeError):
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
+    r"""Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
 
     Args:
         exc: any exception.
 
     Returns:
-        True for the forms XLA reports a failed allocation in (``JaxRuntimeError`` on a
-        first call, ``ValueError`` from the compiled fast path, XLA:CPU's wrapped
-        ``INTERNAL ... Out of memory``, cuBLAS/cuDNN allocation failures) and for
-        `SimulatedOutOfMemory` and `HostOutOfMemory`; False for every other error, including a plain
-        ``RuntimeError`` (which XLA never raises) whose text mentions memory.
+        True for `SimulatedOutOfMemory`, `HostOutOfMemory` and `PeerOutOfMemory`, and for
+        an error of a type XLA raises (``JaxRuntimeError``, or exactly ``ValueError`` from
+        the compiled fast path) whose text is XLA's: the status ``RESOURCE_EXHAUSTED``
+        first (or after ``INTERNAL: Error dispatching computation:``), or an allocator's
+        message with its byte count or a CUDA library's allocation-failure status. False
+        for every other error: one that came through a host callback (its text carries
+        the callback's Python traceback), a plain ``RuntimeError`` (which XLA never
+        raises) and any text that merely mentions memory.
 
     Example:
-        >>> import jax_adaptive as ja
-        >>> ja.is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
+        >>> import jax, jax_adaptive as ja
+        >>> ja.is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes."))
         True
-        >>> ja.is_oom(ValueError("shapes (3,) and (4,) do not match"))
+        >>> ja.is_oom(jax.errors.JaxRuntimeError(
+        ...     "INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes."))
+        True
+        >>> ja.is_oom(jax.errors.JaxRuntimeError(
+        ...     "INTERNAL: CpuCallback error calling callback: Traceback (most recent call "
+        ...     "last):\n  ...\nRuntimeError: CUDA out of memory. failed to allocate 2.00 GiB"))
+        False
+        >>> ja.is_oom(ValueError("the loss ran out of memory"))
         False
         >>> ja.is_oom(MemoryError())
         False
@@ -120,4 +195,31 @@ def is_oom(exc: BaseException) -> bool:
     # fast path; any other type (a user's RuntimeError, a ValueError subclass) is not XLA's.
     if not (isinstance(exc, jax.errors.JaxRuntimeError) or type(exc) is ValueError):
         return False
-    return bool(_OOM_PATTERN.search(str(exc)))
+    message = str(exc)
+    # A host callback's error has the types above and the user's text inside: checked
+    # first, so that no text of theirs ("RESOURCE_EXHAUSTED", "Out of memory allocating
+    # 5 bytes") can make it count.
+    if any(marker in message for marker in _CALLBACK_MARKERS):
+        return False
+    return bool(_STATUS_PATTERN.match(message) or _ALLOCATION_PATTERN.search(message))
+
+
+def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """Runs ``fn``; returns ``(result, None)``, or ``(None, error)`` if it ran out of memory.
+
+    Any other error propagates unchanged, with its traceback: the one place the rule
+    "only out-of-memory is caught" is written.
+
+    Example:
+        >>> import jax_adaptive as ja
+        >>> def full():
+        ...     raise ja.SimulatedOutOfMemory(needed=2, available=1)
+        >>> catch_oom(lambda: 3), catch_oom(full)[0]
+        ((3, None), None)
+    """
+    try:
+        return fn(), None
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return None, exc

@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.executables import Executable, Executables
 from jax_adaptive.memory import Ledger, MemoryModel, device_bytes_in_use, device_capacity
-from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, is_oom
+from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import TrainState
@@ -303,23 +303,17 @@ class Planner:
         """Decides one size: compiles it (once ever), compares its ledger, logs it."""
         start = time.perf_counter()
         measured = size in self.memory_model.points
-        ledger, decided = None, "compile"
         if not measured:
-            self.executables.lower(size)  # outside the try: only XLA's errors can be OOMs
-        try:
-            ledger = self.ledger(size)
-            decided = "cache" if measured else "estimate"
-            self.check(size)
-            if self._learned_cap is not None and ledger.total > self._learned_cap:
-                decided = "learned"
-                raise SimulatedOutOfMemory(ledger.total, self._learned_cap, f"micro-step of {size}")
-            ok = True
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            ok = False
-        self._log(size, ok, ledger, time.perf_counter() - start, decided, reason)
-        return ok
+            self.executables.lower(size)  # the user's loss traces here: its errors propagate
+        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
+        decided = "compile" if ledger is None else "cache" if measured else "estimate"
+        if ledger is not None:
+            _, error = catch_oom(lambda: self.check(size))
+            if error is None and self._learned_cap is not None:
+                if ledger.total > self._learned_cap:
+                    decided, error = "learned", "above the learned capacity"
+        self._log(size, error is None, ledger, time.perf_counter() - start, decided, reason)
+        return error is None
 
     def _search(self, *, hi: int, reason: str, lo: int = 1) -> int:
         """The largest size in [lo, hi] whose ledger fits, guided by the memory model.
@@ -377,12 +371,12 @@ class Planner:
             capacity = self._guide_capacity()
             if capacity is not None and self.ledger(size).total > capacity:
                 continue
-            try:
-                seconds = self.executables.time_micro_step(size, state) * math.ceil(T / size)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
+            seconds, error = catch_oom(
+                lambda size=size: self.executables.time_micro_step(size, state)
+            )
+            if error is not None:
                 continue  # a real out-of-memory: not a candidate
+            seconds *= math.ceil(T / size)
             timings[size] = seconds
             self.throughput_log.append(
                 {"size": size, "seconds_per_update": seconds, "examples_per_second": T / seconds}

@@ -1,8 +1,10 @@
 """``python -m jax_adaptive.report WORKDIR``: plots of a run from its workdir.
 
-Writes ``search_trace.png`` (each size tried: XLA's estimated bytes against the
-micro-batch size, fits or out-of-memory, the limit as a line) and ``loss.png`` (the loss
-of each update, from ``metrics.jsonl``). Needs matplotlib (``pip install matplotlib``).
+Writes ``search_trace.png`` (for each plan in ``plan.json``, one panel per bucket of a
+``--model gpt`` run: each size tried, its estimated bytes against the micro-batch size,
+fits or out of memory, the limit as a line) and ``loss.png`` (the loss of each update,
+from ``metrics.jsonl``, one series per bucket). Needs matplotlib (``pip install
+matplotlib``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,49 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "write_report"]
+
+
+def _plans(workdir: Path) -> list[dict[str, Any]]:
+    plan = json.loads((workdir / "plan.json").read_text())
+    if "plans" in plan:
+        return plan["plans"]
+    if "search_log" in plan:  # written before the plans were a list: one image plan
+        return [{**plan, "bucket": None}]
+    raise ValueError(
+        f"{workdir / 'plan.json'} holds no search log (an older --model gpt run); rerun it."
+    )
+
+
+def _search_panel(ax: Any, plan: dict[str, Any]) -> None:
+    log = [(i + 1, t) for i, t in enumerate(plan["search_log"]) if t["estimated_bytes"]]
+    for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "out of memory")):
+        trials = [t for _, t in log if t["fits"] == fits]
+        ax.scatter([t["size"] for t in trials], [t["estimated_bytes"] / 1e6 for t in trials],
+                   c=colour, label=label, marker="o" if fits else "x")  # fmt: skip
+    for order, t in log:  # the order the sizes were decided in
+        ax.annotate(str(order), (t["size"], t["estimated_bytes"] / 1e6), fontsize=7)
+    if plan.get("capacity"):
+        ax.axhline(plan["capacity"] / 1e6, color="k", ls="--", label="limit")
+    name = "search" if plan["bucket"] is None else f"bucket {plan['bucket']}"
+    ax.set(xlabel="micro-batch size", ylabel="estimated peak (MB)",
+           title=f"{name}: {plan['micro_batch_size']} x {plan['accumulation_steps']}, "
+           f"{plan['compiles']} compiles")  # fmt: skip
+    ax.legend(fontsize=7)
+
+
+def _loss_panel(ax: Any, metrics: list[dict[str, Any]]) -> None:
+    series: dict[str | None, list[dict[str, Any]]] = {}
+    for m in metrics:  # a --model gpt run: one series per bucket (a loss per real token)
+        series.setdefault(str(m["bucket"]) if "bucket" in m else None, []).append(m)
+    for bucket, ms in series.items():
+        ax.plot([m["update"] for m in ms], [m["loss"] for m in ms], marker="." if bucket else "",
+                label=None if bucket is None else f"bucket {bucket}")  # fmt: skip
+    if any(bucket is not None for bucket in series):
+        ax.legend(fontsize=7)
+    ax.set(xlabel="update", ylabel="loss", title="training loss")
 
 
 def write_report(workdir: str | Path) -> list[Path]:
@@ -39,38 +82,34 @@ def write_report(workdir: str | Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("the report needs matplotlib: pip install matplotlib") from None
-    plan = json.loads((workdir / "plan.json").read_text())
-    paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "out of memory")):
-        trials = [t for t in plan["search_log"] if t["fits"] == fits and t["estimated_bytes"]]
-        ax.scatter([t["size"] for t in trials], [t["estimated_bytes"] / 1e6 for t in trials],
-                   c=colour, label=label, marker="o" if fits else "x")  # fmt: skip
-        for i, t in enumerate(trials):
-            ax.annotate(str(i + 1), (t["size"], t["estimated_bytes"] / 1e6), fontsize=7)
-    if plan.get("capacity"):
-        ax.axhline(plan["capacity"] / 1e6, color="k", ls="--", label="limit")
-    ax.set(xlabel="micro-batch size", ylabel="estimated peak (MB)",
-           title=f"search: {plan['micro_batch_size']} x {plan['accumulation_steps']}, "
-           f"{plan['compiles']} compiles")  # fmt: skip
-    ax.legend()
-    paths.append(workdir / "search_trace.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plans = _plans(workdir)
+    columns = min(len(plans), 3) or 1
+    rows = -(-len(plans) // columns) or 1
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for ax, plan in zip(axes.flat, plans, strict=False):
+        _search_panel(ax, plan)
+    for ax in axes.flat[len(plans) :]:
+        ax.set_axis_off()
+    paths = [workdir / "search_trace.png", workdir / "loss.png"]
+    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
     plt.close(fig)
     lines = (workdir / "metrics.jsonl").read_text().splitlines() if (
         workdir / "metrics.jsonl").exists() else []  # fmt: skip
     metrics = [json.loads(line) for line in lines if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([m["update"] for m in metrics], [m["loss"] for m in metrics])
-    ax.set(xlabel="update", ylabel="loss", title="training loss")
-    paths.append(workdir / "loss.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    _loss_panel(ax, metrics)
+    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+    """Runs the command line; returns the exit status.
+
+    Example:
+        >>> main(["--help"])
+        2
+    """
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: python -m jax_adaptive.report WORKDIR", file=sys.stderr)

@@ -3,25 +3,34 @@
 The zoo's small GPT trains on synthetic sequences of log-normal lengths
 (`jax_adaptive.synthetic_sequences`) through a `BucketedTrainer`: power-of-two buckets
 up to ``--max-length``, ``--target-tokens`` padded tokens per update, each bucket's
-plan searched on its first use, and the loss weighted per real token.
+plan searched on its first use, and the loss weighted per real token. The workdir and
+the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket planned.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jax_adaptive.buckets import BucketedTrainer, pow2_buckets
+from jax_adaptive.buckets import BucketedTrainer, bucket_batches, pow2_buckets
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
+from jax_adaptive.run import (
+    TrainConfig,
+    Workdir,
+    check_config,
+    host_loop,
+    make_optimizer,
+    plan_entry,
+)
+from jax_adaptive.step import TrainState
 
 __all__ = ["train_gpt"]
 
@@ -33,7 +42,8 @@ def _next_token_counts(batch: dict[str, np.ndarray]) -> np.ndarray:
     return batch["mask"][:, 1:].sum(axis=1)
 
 
-def _check(config: Any) -> None:
+def _check(config: TrainConfig) -> None:
+    check_config(config)
     if config.dataset != "synthetic":
         raise ValueError("--model gpt trains on synthetic sequences: use --dataset synthetic.")
     if config.micro_batch_size != "auto":
@@ -46,37 +56,33 @@ def _check(config: Any) -> None:
         raise ValueError(f"--max-length {config.max_length} must be at least 16.")
 
 
-def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
-    """Trains the small GPT with a token budget per update; see `jax_adaptive.train.train`.
+def _plans(trainer: BucketedTrainer) -> dict[str, Any]:
+    """The keyword arguments of `Workdir.write_plan`: one plan per bucket, in first use."""
+    log = trainer.bucket_log
+    return {
+        "plans": [plan_entry(trainer.trainers[b["bucket"]], b["bucket"]) for b in log],
+        "search_seconds": sum(b["seconds"] for b in log),
+    }
 
-    Returns:
-        A summary: each bucket's plan, the search compiles, the losses and the padding.
 
-    Example:
-        >>> import io, optax
-        >>> from jax_adaptive.train import TrainConfig
-        >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
-        ...                      progress=False, plan_cache=False)
-        >>> summary = train_gpt(config, optax.adam(1e-3), out=io.StringIO())
-        >>> len(summary["losses"]), [b["bucket"] for b in summary["buckets"]]
-        (2, [16])
-    """
-    _check(config)
-    target_tokens = config.target_tokens or 4096
+def _gpt_line(line: dict[str, Any]) -> str:
+    return (
+        f"update {line['update']:4d}  bucket {line['bucket']:4d}  loss {line['loss']:.4f}  "
+        f"tokens {line['tokens']}/{line['padded_tokens']}"
+    )
+
+
+def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
     model = GPT(vocab_size=VOCAB_SIZE, max_len=config.max_length, width=64, depth=2, heads=4)
-    workdir = None if config.workdir is None else Path(config.workdir).absolute()
-    plan_cache = config.plan_cache
-    if plan_cache is None and workdir is not None:
-        plan_cache = str(workdir / "plans.json")
     trainer = BucketedTrainer(
         gpt_token_loss(model),
-        optimizer,
+        make_optimizer(config),
         buckets=pow2_buckets(config.max_length),
-        target_tokens=target_tokens,
+        target_tokens=config.target_tokens or 4096,
         count_tokens=_next_token_counts,
         memory_limit=config.memory_limit,
         objective=config.objective,
-        plan_cache=plan_cache,
+        plan_cache=config.plan_cache_arg(),
         mesh=data_mesh() if config.data_parallel else None,
     )
     sequences = synthetic_sequences(
@@ -85,62 +91,67 @@ def train_gpt(config: Any, optimizer: Any, *, out: Any) -> dict[str, Any]:
     first = next(sequences)
     params = model.init(jax.random.key(config.seed), jnp.asarray(first["tokens"][None]))["params"]
     state = trainer.init(params, first, rng=jax.random.key(config.seed))
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
-    log = None if workdir is None else open(workdir / "metrics.jsonl", "a")
-    bar = tqdm.tqdm(total=config.updates, disable=not config.progress, unit="update")
-    planned, losses, tokens, padded = 0, [], 0, 0
+    sizes = {bucket: trainer.examples_per_update(bucket) for bucket in trainer.buckets}
+    batches = bucket_batches(sequences, sizes)
+    printed = 0
     start = time.perf_counter()
 
-    def on_update(update: int, metrics: dict[str, Any]) -> None:
-        nonlocal planned, tokens, padded
-        for entry in trainer.bucket_log[planned:]:
+    def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        nonlocal printed
+        state, metrics = trainer.step(state, next(batches))
+        metrics = jax.device_get(metrics)
+        for entry in trainer.bucket_log[printed:]:  # the buckets planned since the last
             tqdm.tqdm.write(
                 f"bucket {entry['bucket']}: micro-batch {entry['micro_batch_size']} x "
                 f"{entry['accumulation_steps']} = {entry['examples_per_update']} sequences; "
                 f"{entry['compiles']} sizes compiled in {entry['seconds']:.1f}s",
                 file=out,
             )
-        planned = len(trainer.bucket_log)
-        loss = float(metrics["loss"])
-        losses.append(loss)
-        tokens += int(metrics["tokens"])
-        padded += int(metrics["padded_tokens"])
-        line = {
-            "update": update, "loss": loss, "bucket": int(metrics["bucket"]),
+        printed = len(trainer.bucket_log)
+        return state, {
+            "loss": float(metrics["loss"]), "bucket": int(metrics["bucket"]),
             "tokens": int(metrics["tokens"]), "padded_tokens": int(metrics["padded_tokens"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": int(metrics["accumulation_steps"]),
         }  # fmt: skip
-        if log is not None:
-            log.write(json.dumps(line) + "\n")
-            log.flush()
-        bar.set_postfix(loss=f"{loss:.3f}", bucket=line["bucket"], micro=line["micro_batch_size"])
-        bar.update()
-        tqdm.tqdm.write(
-            f"update {update:4d}  bucket {line['bucket']:4d}  loss {loss:.4f}  "
-            f"tokens {line['tokens']}/{line['padded_tokens']}",
-            file=out,
-        )
 
-    try:
-        state, _ = trainer.fit(state, sequences, config.updates, on_update=on_update)
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
+    _, lines = host_loop(
+        step, state, config, done=0, updates=config.updates, describe=_gpt_line,
+        plans=lambda: _plans(trainer), workdir=workdir, out=out,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
-    summary = {
+    tokens = sum(line["tokens"] for line in lines)
+    padded = sum(line["padded_tokens"] for line in lines)
+    return {
         "buckets": trainer.bucket_log,
         "compiles": sum(b["compiles"] for b in trainer.bucket_log),
-        "losses": losses,
+        "losses": [line["loss"] for line in lines],
         "tokens_per_s": tokens / seconds,
         "padding_share": 1.0 - tokens / padded if padded else 0.0,
     }
-    if workdir is not None:
-        (workdir / "plan.json").write_text(json.dumps(summary | {"losses": None}, indent=1))
+
+
+def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
+    """Trains the small GPT with a token budget per update; see `jax_adaptive.train.train`.
+
+    Returns:
+        A summary: each bucket's plan, the search compiles, the losses and the padding.
+
+    Example:
+        >>> import io
+        >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
+        ...                      progress=False, plan_cache=False)
+        >>> summary = train_gpt(config, out=io.StringIO())
+        >>> len(summary["losses"]), [b["bucket"] for b in summary["buckets"]]
+        (2, [16])
+    """
+    out = out or sys.stdout
+    _check(config)
+    with Workdir.of(config) as workdir:
+        summary = _train(config, workdir, out)
+    losses = summary["losses"]
     print(
-        f"summary: {len(trainer.bucket_log)} buckets planned with {summary['compiles']} "
+        f"summary: {len(summary['buckets'])} buckets planned with {summary['compiles']} "
         f"compiles, {summary['tokens_per_s']:.0f} tokens/s (including the searches), "
         f"padding {summary['padding_share']:.1%}, final loss "
         + (f"{losses[-1]:.4f}" if losses else "n/a"),

@@ -97,8 +97,11 @@ class AdaptiveTrainer:
             of) the parameters, for parameters sharded over other mesh axes; the
             optimizer state follows its parameters (``optax.tree_map_params``). None
             replicates the parameters.
-        in_flight: the most micro-steps on the device at once (each holds its
-            micro-batch): 2 lets the next transfer while one runs. The ledger counts them.
+        in_flight: the most micro-steps dispatched and not finished at once; one more
+            micro-batch is prefetched while they run. Each holds its micro-batch, new
+            outputs and temporaries, and the ledger counts them: 1 (the default) keeps
+            the device busy for any micro-step longer than a dispatch; 2 hides the
+            dispatch of small ones at the memory of a second micro-step.
         memory_prior: a predicted ``(intercept, slope)`` of the peak in bytes against
             the micro-batch size (`jax_adaptive.predict_line`) to guide the first
             compiles of the search.
@@ -142,7 +145,7 @@ class AdaptiveTrainer:
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
         param_sharding: Any = None,
-        in_flight: int = 2,
+        in_flight: int = 1,
         memory_prior: tuple[float, float] | None = None,
     ):
         if not callable(loss_fn):

@@ -29,7 +29,7 @@ from jax_adaptive.data import micro_batches
 from jax_adaptive.distributed import Placement, agreed, place, process_min
 from jax_adaptive.executables import MicroArgs, zeros
 from jax_adaptive.memory import tree_bytes
-from jax_adaptive.oom import is_oom
+from jax_adaptive.oom import catch_oom, is_oom
 from jax_adaptive.planner import Planner
 from jax_adaptive.step import Batch, TrainState
 
@@ -88,14 +88,15 @@ class Updater:
     Args:
         planner: the plan (and, through it, the compiled pieces).
         placement: where micro-batches go.
-        in_flight: the most micro-steps dispatched and not finished at once.
+        in_flight: the most micro-steps dispatched and not finished at once (one more
+            micro-batch is prefetched).
 
     Attributes:
         host_bytes: bytes copied to the host so far (saves that make failures cheap,
             and the snapshot before a donating optimizer step).
     """
 
-    def __init__(self, planner: Planner, placement: Placement, in_flight: int = 2):
+    def __init__(self, planner: Planner, placement: Placement, in_flight: int = 1):
         if in_flight < 1:
             raise ValueError(f"{in_flight=} must be at least 1.")
         self.planner, self.executables = planner, planner.executables
@@ -143,8 +144,9 @@ class Updater:
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
-        At most ``in_flight`` micro-batches are on the device: before the next is
-        transferred, the oldest micro-step still running is waited for. ``cautious``
+        At most ``in_flight`` micro-steps are dispatched and not finished, and one more
+        micro-batch is on the device, prefetched: it is transferred while they run, and
+        dispatched once the oldest is done (the ledger counts both). ``cautious``
         (after an out-of-memory in this update) and a size's first run also wait for
         each micro-step before the next runs and keep a host copy of its result, so a
         failure costs one micro-step, not the update.
@@ -159,12 +161,13 @@ class Updater:
         running: collections.deque = collections.deque()  # each micro-step's mini_step
         opt = state.opt_state._replace(acc_grads=None)
         for micro in micro_batches(batch, size, start=p.offset):
-            while len(running) >= self.in_flight:
-                jax.block_until_ready(running.popleft())
             chunk, weights = micro.batch
+            # Transferred while the micro-steps before it run: the prefetch.
             chunk, weights = self.placement.micro_batch(
                 (chunk, np.where(micro.mask, np.asarray(weights, np.float32), 0))
             )
+            while len(running) >= self.in_flight:
+                jax.block_until_ready(running.popleft())
             if cautious and p.steps:  # the previous micro-step must fail inside the try
                 agreed(lambda: self._save(p), size)
                 self.planner.ran()
@@ -206,13 +209,12 @@ class Updater:
         """
         if p.steps == 0:
             return None
-        if not _is_deleted(p.kept()):
-            try:  # a failure may have surfaced late, poisoning buffers still alive
-                jax.block_until_ready(p.kept())
-                return p
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
+        # A failure may have surfaced late, poisoning buffers still alive.
+        if (
+            not _is_deleted(p.kept())
+            and catch_oom(lambda: jax.block_until_ready(p.kept()))[1] is None
+        ):
+            return p
         if p.saved is None:
             return None
         saved, ex = p.saved, self.executables
@@ -234,13 +236,10 @@ class Updater:
         if donating and donating not in self._optimizer_ran:
             snapshot = jax.device_get(inputs[:2])
             self.host_bytes += tree_bytes(snapshot)
-        try:
-            params, opt_state, means = executable.compiled(*inputs)
-            jax.block_until_ready((params, opt_state, means))
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            raise self._optimizer_failed(state, inputs, snapshot) from exc
+        out, error = catch_oom(lambda: jax.block_until_ready(executable.compiled(*inputs)))
+        if error is not None:
+            raise self._optimizer_failed(state, inputs, snapshot) from error
+        params, opt_state, means = out
         self._optimizer_ran.add(donating)
         metrics = {
             **means,

@@ -76,12 +76,9 @@ def train(params, batches, *, faults=None, **kwargs):
 
 def brute_force(trainer, limit):
     """The largest multiple of the shards whose estimate fits, by compiling every one."""
-    import jax_adaptive as ja
 
     fits = [
-        s
-        for s in range(trainer.shards, T + 1, trainer.shards)
-        if trainer.ledger(s).total <= limit
+        s for s in range(trainer.shards, T + 1, trainer.shards) if trainer.ledger(s).total <= limit
     ]
     return max(fits)
 

@@ -1,7 +1,7 @@
 """Trains under a real address-space limit, where XLA:CPU raises real out-of-memory errors.
 
 Run as a script in a subprocess (the limit cannot be lifted once set):
-``python real_oom_job.py MARGIN_MB OUT.npz``. DESIGN.md: the limit is the process's
+``python real_oom_job.py MARGIN_MB UPDATES OUT.npz``. DESIGN.md: the limit is the process's
 address space after JAX has started plus a margin; YNNPACK is turned off so a failed
 allocation reads as "Out of memory". The model is elementwise (no matmul): its only
 memory is XLA's own buffers, so a size either fails cleanly or runs, with no library
@@ -24,7 +24,8 @@ import numpy as np
 import optax
 from helpers import vmsize
 
-T, D, UPDATES = 256, 65536, 2
+T, D = 512, 65536  # a target batch of 256 MiB: more than the margin, all in flight
+DISTINCT = 2  # the updates cycle over this many batches
 
 
 def loss_fn(params, batch, rng):
@@ -40,12 +41,12 @@ def make_problem():
             "x": rng.normal(size=(T, D)).astype(np.float32),
             "y": rng.normal(size=(T, D)).astype(np.float32),
         }
-        for _ in range(UPDATES)
+        for _ in range(DISTINCT)
     ]
     return params, batches, optax.adam(1e-2)
 
 
-def main(margin_mb: int, out: str) -> None:
+def main(margin_mb: int, updates: int, out: str) -> None:
     import jax_adaptive as ja
 
     params, batches, optimizer = make_problem()
@@ -55,8 +56,8 @@ def main(margin_mb: int, out: str) -> None:
     gc.collect()
     resource.setrlimit(resource.RLIMIT_AS, (vmsize() + margin_mb * 2**20, resource.RLIM_INFINITY))
     sizes = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch)
+    for update in range(updates):
+        state, metrics = trainer.step(state, batches[update % DISTINCT])
         sizes.append(metrics["micro_batch_size"])
     np.savez(out, **{k: np.asarray(v) for k, v in state.params.items()})
     print(
@@ -73,4 +74,4 @@ def main(margin_mb: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -3,7 +3,8 @@
 `experiments/gpu_validation.py --smoke` makes the out-of-memory errors real on a CPU
 (an address-space limit in each child), so this checks the script end to end: a check
 that errors, an OOM that is not recognised, a search that misses the brute-force answer
-or a donation outcome that is not a bool fails the test.
+a donation outcome that is not a bool, or an Adam plan whose ledger leaves out the
+moments or runs out of memory at its first run fails the test.
 """
 
 import json
@@ -21,6 +22,7 @@ CHECKS = {
     "estimate_vs_peak",
     "donation_after_oom",
     "resnet50_throughput",
+    "adam_ledger",
 }
 
 
@@ -61,7 +63,8 @@ def test_smoke_run_validates_every_check(tmp_path):
     assert search["micro_batch_size"] == search["brute_force"]
     assert search["equal"] is True
     assert 0 < search["compiles"] < target
-    assert sorted(int(s) for s in search["estimates"]) == list(range(1, target + 1))
+    assert sorted(int(s) for s in search["ledgers"]) == list(range(1, target + 1))
+    assert search["ledgers"][str(search["brute_force"])] <= search["memory_limit"]
 
     peak = checks["estimate_vs_peak"]["result"]
     assert peak["sizes"] and peak["memory_stats_available"] is False
@@ -79,3 +82,21 @@ def test_smoke_run_validates_every_check(tmp_path):
     assert resnet["sizes"], resnet
     for row in resnet["sizes"]:
         assert row["timed_updates"] >= 1 and row["images_per_s"] > 0
+
+    adam = checks["adam_ledger"]["result"]
+    limit, ledger, size = adam["memory_limit"], adam["ledger"], adam["micro_batch_size"]
+    assert adam["capacity"] == limit  # a CPU gives no capacity of its own
+    assert 1 < size < adam["target_batch_size"]  # the limit leaves the search real work
+    assert adam["next_size"] == size + 1
+    assert ledger["total"] <= limit < adam["next_ledger_total"]  # the exact max
+    assert ledger["total"] == ledger["state"] + ledger["in_flight"] + ledger["program"]
+    # The whole live state (every Adam leaf, read or not) plus the float32 running
+    # totals of the loss and the accuracy.
+    assert ledger["state"] == adam["state_bytes_live"] + 2 * 4
+    assert adam["moments_bytes"] > 0
+    assert adam["missed_by_program_estimate"] >= adam["moments_bytes"]  # the old gap
+    assert adam["old_estimate_takes_next"] is True  # it would have overcommitted
+    assert adam["run_decisions_per_update"] == [0, 0]
+    assert adam["fits_first_run"] is True
+    assert adam["updates"] == 2 and adam["sizes_per_update"] == [size, size]
+    assert adam["peak_bytes_in_use"] is None and adam["ledger_over_trainer_peak"] is None

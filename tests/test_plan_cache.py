@@ -101,3 +101,25 @@ def test_off_means_off(tmp_path, monkeypatch):
     assert ja.PlanCache.from_arg(None).path == tmp_path / "p.json"
     with pytest.raises(TypeError, match="plan_cache"):
         ja.PlanCache.from_arg(3)
+
+
+def test_the_key_follows_the_live_limit_through_shrink_and_grow(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[24],
+        plan_cache=path,
+    )  # fmt: skip
+    batches = batches_of(3, T)
+    state = trainer.init(mlp_params(), batches[0])
+    planned = trainer.micro_batch_size
+    trainer.set_memory_limit(estimates[12])  # another job took memory: shrink
+    state, m0 = trainer.step(state, batches[0])
+    trainer.set_memory_limit(estimates[20])  # some came back: grow
+    state, m1 = trainer.step(state, batches[1])
+    assert (planned, m0["micro_batch_size"], m1["micro_batch_size"]) == (24, 12, 20)
+    # Each plan is stored under the limit it was made for: a later run of the same job
+    # under each limit plans from the cache what a fresh search finds.
+    for size in (24, 12, 20):
+        again, _, compiles = run(path, estimates[size], steps=1)
+        assert again.micro_batch_size == size == brute_force_max(estimates, estimates[size])
+        assert compiles == 0 and again.search_log[0].decided_by == "plan cache"

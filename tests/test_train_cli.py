@@ -1,3 +1,5 @@
+import dataclasses
+import io
 import json
 import os
 import signal
@@ -10,7 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jax_adaptive.train import main, parse_bytes
+from jax_adaptive.report import write_report
+from jax_adaptive.train import TrainConfig, main, parse_bytes, train
 
 
 def test_default_job_runs_and_learns():
@@ -102,7 +105,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
     a, b = _final_params(whole, 16), _final_params(killed, 16)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-    plan = json.loads((killed / "plan.json").read_text())
+    (plan,) = json.loads((killed / "plan.json").read_text())["plans"]
     assert 1 <= plan["micro_batch_size"] < 64
 
 
@@ -175,7 +178,7 @@ def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
         assert m["micro_batch_size"] < 512 // m["bucket"]  # 4MB makes every bucket shrink
     assert metrics[-1]["loss"] < 0.85 * metrics[0]["loss"], "the loss must visibly fall"
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert {b["bucket"] for b in plan["buckets"]} == {m["bucket"] for m in metrics}
+    assert {b["bucket"] for b in plan["plans"]} == {m["bucket"] for m in metrics}
     assert out[-1].startswith("summary: ") and "padding" in out[-1]
 
 
@@ -202,3 +205,31 @@ def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_pat
     assert plan.startswith(f"plan: micro-batch {8 * one} x ")
     assert "resumed at update 2" in runs[1].splitlines()[0]
     np.testing.assert_allclose(_losses(runs[0]) + _losses(runs[1]), _losses(single), rtol=1e-4)
+
+
+def test_both_paths_write_one_plan_shape_that_the_report_reads(tmp_path):
+    runs = {
+        "image": TrainConfig(target_batch_size=8, updates=2),
+        "gpt": TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2),
+    }
+    plans = {}
+    for name, config in runs.items():
+        workdir = tmp_path / name
+        config = dataclasses.replace(config, progress=False, plan_cache=False,
+                                     workdir=str(workdir))  # fmt: skip
+        train(config, out=io.StringIO())
+        assert [p.name for p in write_report(workdir)] == ["search_trace.png", "loss.png"]
+        plans[name] = json.loads((workdir / "plan.json").read_text())
+        metrics = (workdir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(m)["update"] for m in metrics] == [1, 2]
+    image, gpt = plans["image"], plans["gpt"]
+    assert image.keys() == gpt.keys() == {"config", "plans", "search_seconds"}
+    assert image["config"]["model"] == "cnn" and gpt["config"]["model"] == "gpt"
+    assert [p["bucket"] for p in image["plans"]] == [None]
+    assert [p["bucket"] for p in gpt["plans"]] == [16]
+    for plan in image["plans"] + gpt["plans"]:
+        assert plan.keys() == image["plans"][0].keys()
+        assert plan["search_log"] and plan["search_log"][0].keys() >= {"size", "fits"}
+        assert plan["accumulation_steps"] == -(-plan["examples_per_update"] //
+                                                plan["micro_batch_size"])  # fmt: skip
+    assert image["plans"][0]["micro_batch_size"] == 8

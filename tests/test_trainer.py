@@ -123,7 +123,7 @@ def test_one_compile_per_size_never_a_retrace():
 # ------------------------------------------------------------------ auto and limits
 
 
-IN_FLIGHT = 2  # the trainer's documented default: micro-batches on the device at once
+IN_FLIGHT = 1  # the trainer's documented default: micro-steps dispatched ahead
 
 
 def independent_peak(trainer, state, example_bytes, size):
@@ -131,13 +131,14 @@ def independent_peak(trainer, state, example_bytes, size):
 
     The whole state as it is on the device (Adam's moments too, which the micro-step
     never reads, so XLA prunes them from its arguments), the running loss total, then
-    each micro-step in flight (its rows, weights, offset and k, and its new outputs),
-    and one program's temporaries and code from XLA's memory analysis.
+    each micro-step in flight (its rows, weights, offset and k, its new outputs and
+    its temporaries, from XLA's memory analysis), the prefetched micro-batch, and code.
     """
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4
     r = ja.memory_report(trainer.compile(size))
     inputs = size * example_bytes + 4 * size + 8
-    return state_bytes + IN_FLIGHT * (inputs + r["output"] - r["alias"]) + r["temp"] + r["code"]
+    in_flight = IN_FLIGHT * (inputs + r["output"] - r["alias"] + r["temp"])
+    return state_bytes + in_flight + inputs + r["code"]
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +347,27 @@ def test_the_throughput_objective_times_the_candidates_and_stays_exact(estimates
     assert_trees_close(state.params, reference, 1e-5)
     with pytest.raises(ValueError, match="objective"):
         ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, objective="fast")
+
+
+def test_planning_again_for_another_shape_drops_the_old_shapes_programs():
+    def loss(params, batch, rng):
+        return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2, axis=1)
+
+    rng = np.random.default_rng(0)
+    short, long = (
+        [
+            {
+                "x": rng.normal(size=(T, length)).astype(np.float32),
+                "y": rng.normal(size=(T, length)).astype(np.float32),
+            }
+        ]
+        for length in (4, 16)
+    )
+    trainer = ja.AdaptiveTrainer(loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=5)
+    state = trainer.init({"w": jnp.ones(())}, short[0])
+    state, _ = trainer.step(state, short[0])
+    trainer.plan(state, long[0])
+    state, metrics = trainer.step(state, long[0])
+    assert metrics["micro_batch_size"] == 5
+    reference = full_batch_reference(loss, optax.adam(1e-2), {"w": jnp.ones(())}, short + long)
+    assert_trees_close(state.params, reference, 1e-5)
