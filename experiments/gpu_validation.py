@@ -843,23 +843,27 @@ def main() -> int:
         )
         return 2
     names = list(args.only or CHECKS)
-    checks = run_checks(names, args.smoke, args.jobs or (2 if args.smoke else 1))
+    jobs = args.jobs or (2 if args.smoke else 1)
     mode = "smoke" if args.smoke else "gpu"
     default = f"gpu_validation{'_smoke' if args.smoke else ''}.json"
     out = Path(args.out or REPO / "experiments" / "results" / default)
-    full = {
-        "mode": mode,
-        "total_seconds": round(time.perf_counter() - began, 2),
-        "device": device,
-        "checks": checks,
-    }
+    print(f"gpu_validation ({mode}, {device.get('device_kind')}):", flush=True)
+    checks: dict[str, dict[str, Any]] = {}
+    # One check at a time (the GPU's way), each written as soon as it ends: a session
+    # whose time runs out keeps every figure measured before (one lost them all).
+    for group in [names] if jobs > 1 else [[name] for name in names]:
+        for name, record in run_checks(group, args.smoke, jobs).items():
+            checks[name] = record
+            print("  " + _summary_line(name, record), flush=True)
+        _write(out, mode, time.perf_counter() - began, device, checks)
+    print(f"{time.perf_counter() - began:.1f} s; wrote {out}")
+    return 0
+
+
+def _write(out: Path, mode: str, seconds: float, device: dict, checks: dict) -> None:
+    full = {"mode": mode, "total_seconds": round(seconds, 2), "device": device, "checks": checks}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(full, indent=2) + "\n")
-    print(f"gpu_validation ({mode}, {device.get('device_kind')}), {full['total_seconds']} s:")
-    for name, record in checks.items():
-        print("  " + _summary_line(name, record))
-    print("wrote", out)
-    return 0
 
 
 if __name__ == "__main__":
