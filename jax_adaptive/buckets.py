@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import optax
 
+from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import MemoryModel
 from jax_adaptive.step import Params, TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -353,15 +354,8 @@ class BucketedTrainer:
             The state and one metrics dict (host values) per update.
         """
         sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
-        history: list[dict[str, Any]] = []
-        for batch in bucket_batches(sequences, sizes, self.mask_key):
-            state, metrics = self.step(state, batch)
-            history.append(jax.device_get(metrics))
-            if on_update is not None:
-                on_update(len(history), history[-1])
-            if num_updates is not None and len(history) == num_updates:
-                break
-        return state, history
+        batches = bucket_batches(sequences, sizes, self.mask_key)
+        return fit_loop(self.step, state, batches, num_updates, on_update=on_update)
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
         """Changes every bucket's cap (see `AdaptiveTrainer.set_memory_limit`)."""

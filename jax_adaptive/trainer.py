@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ import optax
 from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Placement, place
 from jax_adaptive.executables import Executables, FaultHook
+from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import Ledger, MemoryModel
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Plan, Planner, SizeTrial
@@ -484,33 +484,12 @@ class AdaptiveTrainer:
             >>> len(history), [h["examples"] for h in history]
             (2, [8, 8])
         """
-        from tqdm.auto import tqdm
-
         if num_updates is not None:
             _positive_int("num_updates", num_updates)
         stream = Rebatcher(batches, self.target_batch_size)
-        history: list[dict[str, Any]] = []
-        bar = tqdm(total=num_updates, disable=not progress, unit="update", leave=False)
-        start = time.perf_counter()
-        try:
-            for batch in stream:
-                state, metrics = self.step(state, batch)
-                metrics = jax.device_get(metrics)
-                history.append(metrics)
-                if on_update is not None:
-                    on_update(len(history), metrics)
-                rate = len(history) * self.target_batch_size / (time.perf_counter() - start)
-                bar.set_postfix(
-                    loss=f"{float(metrics['loss']):.4f}",
-                    ex_s=f"{rate:,.0f}",
-                    micro=metrics["micro_batch_size"],
-                    accum=metrics["accumulation_steps"],
-                )
-                bar.update()
-                if num_updates is not None and len(history) == num_updates:
-                    break
-        finally:
-            bar.close()
+        state, history = fit_loop(
+            self.step, state, stream, num_updates, progress=progress, on_update=on_update
+        )
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history

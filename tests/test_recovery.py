@@ -255,3 +255,21 @@ def test_other_errors_at_run_time_propagate_unchanged():
     with pytest.raises(Boom, match="not memory"):
         trainer.step(state, batches[0])
     assert not any(t.reason == "step" for t in trainer.search_log)
+
+
+def test_host_copies_hold_only_what_a_micro_step_changes():
+    """A size's first update keeps each micro-step's accumulator and totals on the host,
+    never Adam's moments (which micro-steps only read), and the optimizer step, which
+    does not donate here, needs no snapshot."""
+    batches = regression_batches(2, T)
+    params = mlp_params()
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    )
+    state = trainer.init(params, batches[0])
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    state, _ = trainer.step(state, batches[0])
+    steps = -(-T // 4)
+    assert trainer.host_bytes == steps * (param_bytes + 4)  # the accumulator, the loss total
+    state, _ = trainer.step(state, batches[1])  # the size ran once: no copies at all
+    assert trainer.host_bytes == steps * (param_bytes + 4)
