@@ -108,6 +108,36 @@ class PlanCache:
         entry = self._read().get(key)
         return entry if isinstance(entry, dict) else None
 
+    def plan(self, key: str, target_batch_size: int) -> dict[str, Any] | None:
+        """The plan under ``key`` if its ``micro_batch_size`` makes sense, else None.
+
+        A size that is not an int in ``[1, target_batch_size]`` (a stale or hand-edited
+        entry) is ignored with a warning.
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
+            >>> cache.put("k", {"micro_batch_size": 438})
+            >>> cache.plan("k", target_batch_size=4096)["micro_batch_size"]
+            438
+        """
+        entry = self.get(key)
+        if entry is None:
+            return None
+        size = entry.get("micro_batch_size")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not 1 <= size <= target_batch_size
+        ):
+            warnings.warn(
+                f"ignoring a stale plan in {self.path}: micro_batch_size={size!r} "
+                f"is not in [1, {target_batch_size}]",
+                stacklevel=5,
+            )
+            return None
+        return entry
+
     def put(self, key: str, plan: dict[str, Any]) -> None:
         """Stores ``plan`` under ``key`` (atomically: a crash never leaves half a file)."""
         entries = self._read()

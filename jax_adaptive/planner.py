@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from typing import Any, Literal, NamedTuple
+
+import jax
 
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.executables import Executable, Executables
@@ -241,6 +242,7 @@ class Planner:
             target_batch_size=self.target_batch_size,
             example=str(self.executables.example),
             micro_step=self.executables.fingerprint(self.shards),
+            jax=jax.__version__,
         )
 
     def _cached_plan(self) -> int | None:
@@ -248,23 +250,11 @@ class Planner:
         if self.plan_cache is None:
             return None
         start = time.perf_counter()
-        entry = self.plan_cache.get(self.key())
+        entry = self.plan_cache.plan(self.key(), self.target_batch_size)
         if entry is None:
             return None
-        size = entry.get("micro_batch_size")
-        if (
-            isinstance(size, bool)
-            or not isinstance(size, int)
-            or not 1 <= size <= self.target_batch_size
-        ):
-            warnings.warn(
-                f"ignoring a stale plan in {self.plan_cache.path}: micro_batch_size={size!r} "
-                f"is not in [1, {self.target_batch_size}]",
-                stacklevel=4,
-            )
-            return None
-        seconds = time.perf_counter() - start
-        self._log(size, True, entry.get("estimated_bytes"), seconds, "plan cache", "init")
+        size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
+        self._log(size, True, estimate, time.perf_counter() - start, "plan cache", "init")
         return size
 
     def _store_plan(self) -> None:

@@ -44,6 +44,46 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> int | None:
+    """The fixed micro-batch size (None for "auto"), checked against the others."""
+    if shards > T:
+        raise ValueError(
+            f"target_batch_size={T} is smaller than the {shards} data shards of the "
+            "mesh: every device needs an example."
+        )
+    if multiple_of > T:
+        raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
+    if micro_batch_size == "auto":
+        return None
+    size = _positive_int("micro_batch_size", micro_batch_size)
+    if size > T:
+        raise ValueError(f"micro_batch_size={size} must not exceed target_batch_size={T}.")
+    if size % shards:
+        raise ValueError(f"micro_batch_size={size} must be a multiple of the {shards} data shards.")
+    return size
+
+
+def _check_batch(batch: Batch, weights: Any, example: Any, T: int) -> None:
+    """Raises a one-line error for a batch (or weights) the programs would not take."""
+    size = leading_size(batch)
+    if size != T:
+        raise ValueError(
+            f"the batch has leading size {size}, but each step takes exactly "
+            f"target_batch_size={T} examples."
+        )
+    got, want = jax.tree.structure(batch), jax.tree.structure(example)
+    if got != want:
+        raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
+    for x, spec in zip(jax.tree.leaves(batch), jax.tree.leaves(example), strict=True):
+        if np.shape(x)[1:] != spec.shape:
+            raise ValueError(
+                f"a batch leaf has per-example shape {np.shape(x)[1:]}, but example_batch "
+                f"had {spec.shape}."
+            )
+    if weights is not None and np.shape(weights) != (T,):
+        raise ValueError(f"weights must have shape ({T},), got {np.shape(weights)}.")
+
+
 class AdaptiveTrainer:
     """Trains with a fixed target batch size through the largest micro-batch that fits.
 
@@ -158,7 +198,8 @@ class AdaptiveTrainer:
         T = self.target_batch_size = _positive_int("target_batch_size", target_batch_size)
         self.optimizer = optimizer
         self.placement = Placement(device, mesh, data_axis, param_sharding)
-        fixed = self._check_sizes(micro_batch_size, _positive_int("multiple_of", multiple_of))
+        multiple_of = _positive_int("multiple_of", multiple_of)
+        fixed = _fixed_size(micro_batch_size, multiple_of, T, self.shards)
         self._executables = Executables(
             loss_fn, optimizer, T, has_aux=has_aux, has_state=has_state,
             everywhere=self.placement.everywhere, data=self.placement.data,
@@ -172,26 +213,6 @@ class AdaptiveTrainer:
             device=self.placement.device, memory_prior=memory_prior,
         )  # fmt: skip
         self._updater = Updater(self._planner, self.placement, in_flight)
-
-    def _check_sizes(self, micro_batch_size: Any, multiple_of: int) -> int | None:
-        T, shards = self.target_batch_size, self.shards
-        if shards > T:
-            raise ValueError(
-                f"target_batch_size={T} is smaller than the {shards} data shards of the "
-                "mesh: every device needs an example."
-            )
-        if multiple_of > T:
-            raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
-        if micro_batch_size == "auto":
-            return None
-        size = _positive_int("micro_batch_size", micro_batch_size)
-        if size > T:
-            raise ValueError(f"micro_batch_size={size} must not exceed target_batch_size={T}.")
-        if size % shards:
-            raise ValueError(
-                f"micro_batch_size={size} must be a multiple of the {shards} data shards."
-            )
-        return size
 
     @staticmethod
     def _check_limit(memory_limit: Any) -> int:
@@ -239,6 +260,11 @@ class AdaptiveTrainer:
     def trace_counts(self) -> dict[int, int]:
         """Traces of the micro-step per size (one each; a retrace would show here)."""
         return self._executables.trace_counts
+
+    @property
+    def compiled_sizes(self) -> list[int]:
+        """The sizes whose compiled micro-step is held now (the size in use, after a plan)."""
+        return self._executables.compiled_sizes()
 
     @property
     def host_bytes(self) -> int:
@@ -446,7 +472,7 @@ class AdaptiveTrainer:
             -0.5
         """
         self._require_init()
-        self._check_batch(batch, weights)
+        _check_batch(batch, weights, self._executables.example, self.target_batch_size)
         return self._updater.run(state, batch, weights)
 
     def fit(
@@ -499,24 +525,3 @@ class AdaptiveTrainer:
     def _require_init(self) -> None:
         if self._planner.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
-
-    def _check_batch(self, batch: Batch, weights: Any) -> None:
-        size = leading_size(batch)
-        T = self.target_batch_size
-        if size != T:
-            raise ValueError(
-                f"the batch has leading size {size}, but each step takes exactly "
-                f"target_batch_size={T} examples."
-            )
-        example = self._executables.example
-        got, want = jax.tree.structure(batch), jax.tree.structure(example)
-        if got != want:
-            raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
-        for x, spec in zip(jax.tree.leaves(batch), jax.tree.leaves(example), strict=True):
-            if np.shape(x)[1:] != spec.shape:
-                raise ValueError(
-                    f"a batch leaf has per-example shape {np.shape(x)[1:]}, but example_batch "
-                    f"had {spec.shape}."
-                )
-        if weights is not None and np.shape(weights) != (T,):
-            raise ValueError(f"weights must have shape ({T},), got {np.shape(weights)}.")

@@ -371,3 +371,16 @@ def test_planning_again_for_another_shape_drops_the_old_shapes_programs():
     assert metrics["micro_batch_size"] == 5
     reference = full_batch_reference(loss, optax.adam(1e-2), {"w": jnp.ones(())}, short + long)
     assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_sizes_no_longer_in_use_release_their_programs(estimates):
+    batches = regression_batches(2, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[7]
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    assert len({t.size for t in trainer.search_log}) > 1  # the search compiled several
+    assert trainer.compiled_sizes == [7]
+    trainer.set_memory_limit(estimates[4])
+    state, metrics = trainer.step(state, batches[0])
+    assert metrics["micro_batch_size"] == 4 and trainer.compiled_sizes == [4]
