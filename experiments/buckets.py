@@ -57,8 +57,8 @@ def _exact(trainer: ja.BucketedTrainer) -> dict[int, bool]:
     out = {}
     for length, bucket in trainer.trainers.items():
         m, cap = bucket.micro_batch_size, bucket.capacity()
-        fits = ja.estimate_peak_bytes(bucket.compile(m)) <= cap
-        nxt = m == bucket.target_batch_size or ja.estimate_peak_bytes(bucket.compile(m + 1)) > cap
+        fits = bucket.ledger(m).total <= cap
+        nxt = m == bucket.target_batch_size or bucket.ledger(m + 1).total > cap
         out[length] = bool(fits and nxt)
     return out
 
