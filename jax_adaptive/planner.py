@@ -23,7 +23,13 @@ import jax
 
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.executables import Executable, Executables
-from jax_adaptive.memory import Ledger, MemoryModel, device_bytes_in_use, device_capacity
+from jax_adaptive.memory import (
+    Ledger,
+    MemoryModel,
+    device_bytes_in_use,
+    device_capacity,
+    tree_bytes,
+)
 from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
@@ -157,7 +163,8 @@ class Planner:
     def _measure_others(self) -> None:
         in_use = device_bytes_in_use(self.device)
         if in_use is not None:
-            self._others = max(0, in_use - self.executables.state_bytes())
+            own = tree_bytes(self.executables.state_structs)  # live now; totals are not yet
+            self._others = max(0, in_use - own)
 
     def ledger(self, size: int) -> Ledger:
         """The size's `jax_adaptive.Ledger`, compiling its micro-step if need be."""
