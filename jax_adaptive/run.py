@@ -1,7 +1,8 @@
 """The command line's run path, shared by the image models and ``--model gpt``.
 
 `TrainConfig` is a run, `Workdir` where it writes, `host_loop` the one loop of both
-paths; `train_images` is the image path (`jax_adaptive.train_lm.train_gpt` the GPT's).
+paths; `jax_adaptive.train_images.train_images` is the image path
+(`jax_adaptive.train_lm.train_gpt` the GPT's).
 ``plan.json`` has one shape for both: ``{"config": {...}, "plans": [...],
 "search_seconds": s}``, a `plan_entry` per trainer: the image path's one with ``"bucket":
 null``, the GPT's one per bucket planned so far.
@@ -13,29 +14,24 @@ import contextlib
 import dataclasses
 import json
 import sys
-import time
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-import jax
-import jax.numpy as jnp
 import optax
 import tqdm
 
 from jax_adaptive import models
 from jax_adaptive.checkpoint import Checkpoints
-from jax_adaptive.datasets import ShuffledBatches, load_source
-from jax_adaptive.distributed import data_mesh
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
-    "MODEL_NAMES", "OPTIMIZER_NAMES", "TrainConfig", "Workdir", "check_config", "host_loop",
-    "make_optimizer", "plan_entry", "train_images",
+    "IMAGE_MODELS", "MODEL_NAMES", "OPTIMIZER_NAMES", "TrainConfig", "Workdir", "check_config",
+    "host_loop", "make_optimizer", "plan_entry",
 ]  # fmt: skip
 
-_MODELS = {  # each zoo image model and the variables it mutates
+IMAGE_MODELS = {  # each zoo image model and the variables it mutates
     "cnn": (models.CNN, ()),
     "mlp": (models.MLP, ()),
     "resnet-tiny": (models.ResNetTiny, ("batch_stats",)),
@@ -45,7 +41,7 @@ _MODELS = {  # each zoo image model and the variables it mutates
     "vit-tiny": (models.ViTTiny, ()),
 }
 _OPTIMIZERS = {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}
-MODEL_NAMES = (*_MODELS, "gpt")  # the choices of --model
+MODEL_NAMES = (*IMAGE_MODELS, "gpt")  # the choices of --model
 OPTIMIZER_NAMES = tuple(_OPTIMIZERS)  # the choices of --optimizer
 
 
@@ -120,6 +116,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """The optax optimizer the config names, at its learning rate.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> make_optimizer(TrainConfig(optimizer="sgd")).init({"w": jnp.ones(2)})
         (EmptyState(), EmptyState())
     """
@@ -130,7 +127,7 @@ def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict
     """One trainer's plan as ``plan.json`` holds it (every `SizeTrial` field passes through).
 
     Example:
-        >>> import numpy as np
+        >>> import jax.numpy as jnp, numpy as np
         >>> trainer = AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
         ...                           target_batch_size=8, micro_batch_size=4)
         >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
@@ -298,130 +295,3 @@ def host_loop(
     finally:
         bar.close()
     return state, lines
-
-
-_RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_rate", "seed")
-
-
-def _image_trainer(
-    config: TrainConfig, num_classes: int
-) -> tuple[Any, tuple[str, ...], AdaptiveTrainer]:
-    module, mutable = _MODELS[config.model]
-    model = module(num_classes=num_classes)
-    trainer = AdaptiveTrainer(
-        models.linen_classifier_loss(model, mutable=mutable),
-        make_optimizer(config),
-        target_batch_size=config.target_batch_size,
-        micro_batch_size=config.micro_batch_size,
-        memory_limit=config.memory_limit,
-        has_aux=True,
-        has_state=bool(mutable),
-        objective=config.objective,
-        plan_cache=config.plan_cache_arg(),
-        mesh=data_mesh() if config.data_parallel else None,
-    )
-    return model, mutable, trainer
-
-
-def _plan_line(trainer: AdaptiveTrainer, seconds: float, done: int, cached: bool) -> str:
-    per_device = trainer.micro_batch_size // trainer.shards
-    return (
-        f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
-        f"accumulation steps = target batch {trainer.target_batch_size}; "
-        f"{trainer.compiles} sizes compiled in {seconds:.1f}s"
-        + (f"; {per_device} per device on {trainer.shards}" if trainer.shards > 1 else "")
-        + (" (from the plan cache)" if cached else "")
-        + (f"; resumed at update {done}" if done else "")
-    )
-
-
-def _image_line(line: dict[str, Any]) -> str:
-    return (
-        f"update {line['update']:4d}  loss {line['loss']:.4f}  accuracy "
-        f"{line['accuracy']:.3f}  micro-batch {line['micro_batch_size']}"
-    )
-
-
-def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
-    source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
-    updates = config.updates
-    if config.epochs is not None:
-        updates = max(1, int(config.epochs * len(source) / config.target_batch_size))
-    model, mutable, trainer = _image_trainer(config, source.num_classes)
-    example = next(ShuffledBatches(source, 1))
-    variables = model.init(jax.random.key(config.seed), jnp.asarray(example["image"]))
-    params, model_state = variables.pop("params"), dict(variables)
-    start = time.perf_counter()
-    state = trainer.init(
-        params, example, rng=jax.random.key(config.seed), model_state=model_state if mutable else ()
-    )
-    search_seconds = time.perf_counter() - start
-    position, done = 0, 0
-    if config.resume and workdir is not None and workdir.checkpoints is not None:
-        restored = workdir.checkpoints.restore(state)
-        if restored is not None:
-            state, position = restored
-            done = int(state.updates)
-    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
-    print(_plan_line(trainer, search_seconds, done, cached), file=out)
-    batches = ShuffledBatches(source, config.target_batch_size, seed=config.seed, start=position)
-
-    def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-        tick = time.perf_counter()
-        state, metrics = trainer.step(state, next(batches))
-        loss = float(metrics["loss"])  # blocks: the time below is the update's
-        return state, {
-            "loss": loss, "accuracy": float(metrics["accuracy"]),
-            "micro_batch_size": int(metrics["micro_batch_size"]),
-            "accumulation_steps": trainer.accumulation_steps,
-            "examples_per_s": config.target_batch_size / (time.perf_counter() - tick),
-        }  # fmt: skip
-
-    state, lines = host_loop(
-        step, state, config, done=done, updates=updates, describe=_image_line,
-        plans=lambda: {"plans": [plan_entry(trainer)], "search_seconds": search_seconds},
-        workdir=workdir, position=lambda: batches.position, out=out,
-    )  # fmt: skip
-    return {
-        "micro_batch_size": trainer.micro_batch_size,
-        "accumulation_steps": trainer.accumulation_steps,
-        "compiles": trainer.compiles,
-        "search_seconds": search_seconds,
-        "from_plan_cache": cached,
-        "examples_per_s": lines[-1]["examples_per_s"] if lines else 0.0,
-        "losses": [line["loss"] for line in lines],
-        "accuracy": lines[-1]["accuracy"] if lines else None,
-    }
-
-
-def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains a zoo image model as configured; prints the plan, each update and a summary.
-
-    With ``workdir``, writes ``plan.json``, ``metrics.jsonl`` (one line per update) and
-    orbax checkpoints (train state and data position) every ``checkpoint_every``
-    updates and at the end; ``resume`` goes on from the latest one.
-
-    Returns:
-        A summary: the plan, the search cost and the loss of each update.
-
-    Example:
-        >>> import io
-        >>> config = TrainConfig(model="mlp", target_batch_size=8, updates=2, progress=False)
-        >>> summary = train_images(config, out=io.StringIO())
-        >>> summary["micro_batch_size"], len(summary["losses"])
-        (8, 2)
-    """
-    out = out or sys.stdout
-    check_config(config)
-    run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
-    with Workdir.of(config, run) as workdir:
-        summary = _train_images(config, workdir, out)
-    losses = summary["losses"]
-    print(
-        f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
-        f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s, "
-        f"{summary['examples_per_s']:.0f} examples/s, final loss "
-        + (f"{losses[-1]:.4f} accuracy {summary['accuracy']:.3f}" if losses else "n/a"),
-        file=out,
-    )
-    return summary

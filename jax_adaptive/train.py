@@ -17,7 +17,8 @@ from typing import Any, TextIO
 import jax
 
 from jax_adaptive.plan_cache import enable_compilation_cache
-from jax_adaptive.run import MODEL_NAMES, OPTIMIZER_NAMES, TrainConfig, check_config, train_images
+from jax_adaptive.run import MODEL_NAMES, OPTIMIZER_NAMES, TrainConfig, check_config
+from jax_adaptive.train_images import train_images
 from jax_adaptive.train_lm import train_gpt
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]
@@ -48,7 +49,7 @@ def parse_bytes(text: str) -> int:
 
 
 def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains as configured: `jax_adaptive.run.train_images`, or `train_gpt` for ``gpt``.
+    """Trains as configured: `jax_adaptive.train_images.train_images`, or `train_gpt` for ``gpt``.
 
     Prints the plan, each update and a summary. With ``workdir``, writes ``plan.json``
     (the plans and every size tried), ``metrics.jsonl`` (one line per update) and, for
