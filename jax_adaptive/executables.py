@@ -122,6 +122,8 @@ class Executables:
         compiles: micro-step compiles so far.
         trace_counts: traces of the micro-step per size (one each, never a retrace).
         fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
+        generation: how many shapes it was bound to; what was learned of a size under
+            another generation (its peak, that it ran) says nothing of it now.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -155,6 +157,7 @@ class Executables:
         self.compiles = 0
         self.trace_counts: Counter[int] = Counter()
         self.fault_hook: FaultHook | None = None
+        self.generation = 0  # bumped by each bind to a new shape: measures of old ones are void
         self._micro_fn = make_micro_step(
             loss_fn,
             optimizer,
@@ -188,6 +191,7 @@ class Executables:
         if self._bound is not None and _same(self._bound, structs):
             return False
         self._bound = structs
+        self.generation += 1
         self.state_structs, self.example = structs
         self.totals_struct = self._totals_for(state)
         outs = _shardings(

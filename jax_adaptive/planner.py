@@ -143,6 +143,7 @@ class Planner:
         self.search_log: list[SizeTrial] = []
         self.throughput_log: list[dict[str, float]] = []
         self.size: int | None = None
+        self._generation = 0  # the executables' binding the memory model measured
         self._others = 0  # bytes other live arrays held on the device at the last plan
         self._learned_cap: int | None = None  # below the peaks that really failed
         self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
@@ -215,6 +216,9 @@ class Planner:
 
     def plan_for(self, state: TrainState) -> int:
         """Plans the size for a bound state: fixed, from the plan cache, or searched."""
+        if self._generation != self.executables.generation:  # another shape: measure anew
+            self._generation = self.executables.generation
+            self.memory_model = MemoryModel(prior=self.memory_model.prior)
         self._measure_others()
         self.optimizer_step()  # compiles it, and checks that the state itself fits
         if self.fixed is not None:

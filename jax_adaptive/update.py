@@ -105,9 +105,14 @@ class Updater:
         self.host_bytes = 0
         self._ran: set[int] = set()  # sizes that completed an update
         self._optimizer_ran: set[bool] = set()
+        self._generation = 0  # the executables' binding the sets above are about
 
     def run(self, state: TrainState, batch: Batch, weights: Any = None) -> tuple[TrainState, dict]:
         """One update of ``state`` on ``batch`` (``weights``: per example, 1 by default)."""
+        if self._generation != self.executables.generation:  # another shape: none ran yet
+            self._generation = self.executables.generation
+            self._ran.clear()
+            self._optimizer_ran.clear()
         self.planner.start_update()
         weights = np.ones(self.T, np.float32) if weights is None else weights
         progress = self._fresh(state)

@@ -384,3 +384,30 @@ def test_sizes_no_longer_in_use_release_their_programs(estimates):
     trainer.set_memory_limit(estimates[4])
     state, metrics = trainer.step(state, batches[0])
     assert metrics["micro_batch_size"] == 4 and trainer.compiled_sizes == [4]
+
+
+def test_planning_another_shape_searches_it_afresh(estimates):
+    def loss(params, batch, rng):
+        return jnp.mean(jnp.tanh(batch["x"] * params["w"]) ** 2, axis=1)
+
+    def batch_of(length):
+        return {"x": np.random.default_rng(length).normal(size=(T, length)).astype(np.float32)}
+
+    def trainer():
+        return ja.AdaptiveTrainer(loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit)
+
+    # A limit that fits the long shape's 6 exactly, and more of the short one.
+    probe = ja.AdaptiveTrainer(loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=1)
+    probe.init({"w": jnp.ones(())}, batch_of(4096))
+    limit = probe.ledger(6).total
+    fresh = trainer()
+    fresh.init({"w": jnp.ones(())}, batch_of(4096))  # the reference: a search of its own
+    again = trainer()
+    state = again.init({"w": jnp.ones(())}, batch_of(64))
+    short, seen = again.micro_batch_size, len(again.search_log)
+    again.plan(state, batch_of(4096))
+    assert short > again.micro_batch_size == fresh.micro_batch_size == 6
+    # Each size of the new shape is measured anew, none taken from the old shape's.
+    assert "cache" not in {t.decided_by for t in again.search_log[seen:]}
+    state, metrics = again.step(state, batch_of(4096))
+    assert metrics["micro_batch_size"] == 6
