@@ -225,5 +225,9 @@ class Placement:
         return type(state)(params, opt, model_state, everywhere)
 
     def micro_batch(self, tree: Any) -> Any:
-        """Transfers a micro-batch to the device, or splits it over the data axis."""
-        return place(tree, self.data if self.data is not None else self.device)
+        """A micro-batch as the micro-step takes it: split over the data axis on a mesh."""
+        if self.data is None:
+            # Host arrays go to the program as they are: its call transfers them in C++,
+            # several times faster than a jax.device_put per micro-batch.
+            return tree
+        return place(tree, self.data)

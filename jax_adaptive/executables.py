@@ -115,8 +115,7 @@ class Executables:
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
         data: the micro-batch's sharding over the data axis, or None on one device.
-        in_flight: how many micro-steps the update dispatches ahead at most (one more
-            micro-batch is prefetched).
+        in_flight: how many micro-steps the update dispatches ahead at most.
 
     Attributes:
         compiles: micro-step compiles so far.
@@ -286,7 +285,7 @@ class Executables:
         The resident state is counted whole, read or not. Each of the ``in_flight``
         micro-steps dispatched holds its transferred micro-batch, its outputs that are
         not aliased to a donated input (the new model state) and its temporaries (a
-        runtime may allocate them at dispatch); one more micro-batch is prefetched.
+        runtime may allocate them at dispatch).
         """
         report = self.report(size)
         args = self.micro_structs(size)
@@ -294,7 +293,7 @@ class Executables:
         new_outputs = report["output"] - report["alias"]
         return Ledger(
             state=self.state_bytes(),
-            in_flight=self.in_flight * (inputs + new_outputs) + inputs,
+            in_flight=self.in_flight * (inputs + new_outputs),
             program=self.in_flight * report["temp"] + report["code"],
         )
 

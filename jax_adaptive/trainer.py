@@ -137,11 +137,10 @@ class AdaptiveTrainer:
             of) the parameters, for parameters sharded over other mesh axes; the
             optimizer state follows its parameters (``optax.tree_map_params``). None
             replicates the parameters.
-        in_flight: the most micro-steps dispatched and not finished at once; one more
-            micro-batch is prefetched while they run. Each holds its micro-batch, new
-            outputs and temporaries, and the ledger counts them: 1 (the default) keeps
-            the device busy for any micro-step longer than a dispatch; 2 hides the
-            dispatch of small ones at the memory of a second micro-step.
+        in_flight: the most micro-steps dispatched and not finished at once. Each holds
+            its micro-batch, new outputs and temporaries, and the ledger counts them: 1
+            (the default) costs a dispatch's gap between micro-steps, nothing next to a
+            long one; 2 hides it for small ones at the memory of a second micro-step.
         memory_prior: a predicted ``(intercept, slope)`` of the peak in bytes against
             the micro-batch size (`jax_adaptive.predict_line`) to guide the first
             compiles of the search.

@@ -1,13 +1,13 @@
 """One exact update: the micro-steps of a target batch, then the optimizer step.
 
 `Updater.run` cuts the batch into micro-batches of the planned size, keeps at most
-``in_flight`` of them on the device at once (the next one is transferred while the
-current one runs: a prefetch within the same budget the ledger counts), and applies the
-optimizer once. An out-of-memory in any micro-step (real, or simulated by the capacity)
-leaves the parameters, the optimizer state and the model state alive (the micro-step
-donates only the accumulator and the totals), so the planner shrinks the size and the
-update goes on from the last micro-step that survived, or starts again: nothing is
-lost and no example is counted twice.
+``in_flight`` micro-steps dispatched and not finished (1 by default; each holds its
+micro-batch, as the ledger counts), and applies the optimizer once. An out-of-memory
+in any micro-step (real, or simulated by the capacity) leaves the parameters, the
+optimizer state and the model state alive (the micro-step donates only the accumulator
+and the totals), so the planner shrinks the size and the update goes on from the last
+micro-step that survived, or starts again: nothing is lost and no example is counted
+twice.
 
 A new size's first update, and an update that already failed, keep a host copy of what
 a failure could lose and the micro-step changes (the accumulator, the totals, the model
@@ -88,8 +88,7 @@ class Updater:
     Args:
         planner: the plan (and, through it, the compiled pieces).
         placement: where micro-batches go.
-        in_flight: the most micro-steps dispatched and not finished at once (one more
-            micro-batch is prefetched).
+        in_flight: the most micro-steps dispatched and not finished at once.
 
     Attributes:
         host_bytes: bytes copied to the host so far (saves that make failures cheap,
@@ -149,9 +148,9 @@ class Updater:
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
-        At most ``in_flight`` micro-steps are dispatched and not finished, and one more
-        micro-batch is on the device, prefetched: it is transferred while they run, and
-        dispatched once the oldest is done (the ledger counts both). ``cautious``
+        At most ``in_flight`` micro-steps are dispatched and not finished: the next
+        micro-batch goes to the device with its micro-step, once the oldest is done (the
+        ledger counts them). ``cautious``
         (after an out-of-memory in this update) and a size's first run also wait for
         each micro-step before the next runs and keep a host copy of its result, so a
         failure costs one micro-step, not the update.
@@ -166,16 +165,15 @@ class Updater:
         running: collections.deque = collections.deque()  # each micro-step's mini_step
         opt = state.opt_state._replace(acc_grads=None)
         for micro in micro_batches(batch, size, start=p.offset):
-            chunk, weights = micro.batch
-            # Transferred while the micro-steps before it run: the prefetch.
-            chunk, weights = self.placement.micro_batch(
-                (chunk, np.where(micro.mask, np.asarray(weights, np.float32), 0))
-            )
             while len(running) >= self.in_flight:
                 jax.block_until_ready(running.popleft())
             if cautious and p.steps:  # the previous micro-step must fail inside the try
                 agreed(lambda: self._save(p), size)
                 self.planner.ran()
+            chunk, weights = micro.batch
+            chunk, weights = self.placement.micro_batch(
+                (chunk, np.where(micro.mask, np.asarray(weights, np.float32), 0))
+            )
             args = MicroArgs(
                 state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
                 p.totals, chunk, weights, state.rng, np.int32(micro.offset), k,

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ import real_oom_job as job
 from helpers import assert_trees_close
 
 SCRIPT = pathlib.Path(job.__file__)
+_ABORTS = re.compile(r"std::bad_alloc|LLVM ERROR|Unable to allocate section memory")
 
 
 def reference(updates):
@@ -53,10 +55,14 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "MALLOC_TRIM_THRESHOLD_": "0",
     }
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(margin_mb), str(updates), str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+    command = [sys.executable, str(SCRIPT), str(margin_mb), str(updates), str(out)]
+    for _ in range(2):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        # Where the address space runs out inside XLA:CPU's own C++ (an operator new, LLVM
+        # mapping code) the process aborts, which no except can catch (DESIGN.md); it is
+        # rare and this machine's, not a GPU's: such a run is tried once more.
+        if not (result.returncode < 0 and _ABORTS.search(result.stderr)):
+            break
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     report = json.loads(line.removeprefix("RESULT "))
