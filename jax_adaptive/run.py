@@ -28,7 +28,7 @@ from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
     "IMAGE_MODELS", "MODEL_NAMES", "OPTIMIZER_NAMES", "TrainConfig", "Workdir", "check_config",
-    "host_loop", "make_optimizer", "plan_entry",
+    "host_loop", "make_optimizer", "plan_entry", "run_path",
 ]  # fmt: skip
 
 IMAGE_MODELS = {  # each zoo image model and the variables it mutates
@@ -295,3 +295,36 @@ def host_loop(
     finally:
         bar.close()
     return state, lines
+
+
+def run_path(
+    config: TrainConfig,
+    train: Callable[[TrainConfig, Workdir | None, TextIO], dict[str, Any]],
+    summarize: Callable[[dict[str, Any]], str],
+    *,
+    out: TextIO | None = None,
+    run: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Runs one path of the command line: its training in its workdir, then its summary.
+
+    Args:
+        config: the run, already checked.
+        train: ``(config, workdir or None, out) -> summary``.
+        summarize: the summary's one line.
+        out: where to print (standard output by default).
+        run: what a resumed checkpoint must match (see `Workdir`).
+
+    Returns:
+        The summary.
+
+    Example:
+        >>> import io
+        >>> run_path(TrainConfig(), lambda c, w, o: {"losses": []}, lambda s: "done",
+        ...          out=io.StringIO())
+        {'losses': []}
+    """
+    out = out or sys.stdout
+    with Workdir.of(config, run) as workdir:
+        summary = train(config, workdir, out)
+    print(summarize(summary), file=out)
+    return summary

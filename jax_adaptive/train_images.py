@@ -7,7 +7,6 @@ when asked, and trains through the shared `jax_adaptive.run.host_loop`.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, TextIO
 
@@ -25,6 +24,7 @@ from jax_adaptive.run import (
     host_loop,
     make_optimizer,
     plan_entry,
+    run_path,
 )
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -143,17 +143,16 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
         >>> summary["micro_batch_size"], len(summary["losses"])
         (8, 2)
     """
-    out = out or sys.stdout
     check_config(config)
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
-    with Workdir.of(config, run) as workdir:
-        summary = _train_images(config, workdir, out)
+    return run_path(config, _train_images, _summary_line, out=out, run=run)
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
     losses = summary["losses"]
-    print(
+    return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
         f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s, "
         f"{summary['examples_per_s']:.0f} examples/s, final loss "
-        + (f"{losses[-1]:.4f} accuracy {summary['accuracy']:.3f}" if losses else "n/a"),
-        file=out,
+        + (f"{losses[-1]:.4f} accuracy {summary['accuracy']:.3f}" if losses else "n/a")
     )
-    return summary

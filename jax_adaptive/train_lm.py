@@ -9,7 +9,6 @@ the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket plann
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, TextIO
 
@@ -29,6 +28,7 @@ from jax_adaptive.run import (
     host_loop,
     make_optimizer,
     plan_entry,
+    run_path,
 )
 from jax_adaptive.step import TrainState
 
@@ -145,16 +145,15 @@ def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, An
         >>> len(summary["losses"]), [b["bucket"] for b in summary["buckets"]]
         (2, [16])
     """
-    out = out or sys.stdout
     _check(config)
-    with Workdir.of(config) as workdir:
-        summary = _train(config, workdir, out)
+    return run_path(config, _train, _summary_line, out=out)
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
     losses = summary["losses"]
-    print(
+    return (
         f"summary: {len(summary['buckets'])} buckets planned with {summary['compiles']} "
         f"compiles, {summary['tokens_per_s']:.0f} tokens/s (including the searches), "
         f"padding {summary['padding_share']:.1%}, final loss "
-        + (f"{losses[-1]:.4f}" if losses else "n/a"),
-        file=out,
+        + (f"{losses[-1]:.4f}" if losses else "n/a")
     )
-    return summary
