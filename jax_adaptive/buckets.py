@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import optax
 
+from jax_adaptive.checks import check_buckets
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import MemoryModel
 from jax_adaptive.step import Params, TrainState
@@ -257,7 +258,7 @@ class BucketedTrainer:
     ):
         if (target_tokens is None) == (target_batch_size is None):
             raise ValueError("give exactly one of target_tokens and target_batch_size.")
-        buckets = tuple(sorted({_key(b) for b in buckets}, key=_volume))
+        buckets = tuple(sorted({_key(b) for b in check_buckets(buckets)}, key=_volume))
         if not buckets or min(min(_dims(b)) for b in buckets) < 1:
             raise ValueError(f"buckets must be positive lengths or shapes, got {buckets}.")
         if len({len(_dims(b)) for b in buckets}) != 1:

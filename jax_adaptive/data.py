@@ -7,7 +7,9 @@ on the device with one compiled gather per micro-batch size.
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -109,18 +111,50 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
         yield MicroBatch(jax.tree.map(rows, batch), mask, offset)
 
 
+class _Pending:
+    """Examples read from a stream and not yet yielded: a list of batches and their count."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.count = 0
+
+
+# What each source iterator has had read past the last batch yielded from it, so that a
+# later Rebatcher of the same iterator (a second ``fit`` on it) yields it first. Weakly
+# keyed: forgotten with the iterator. Iterators without weak references (a list's, a
+# ``map``) are held while examples wait, the last few only.
+_PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
+_HELD: collections.OrderedDict[int, tuple[Any, _Pending]] = collections.OrderedDict()
+_HELD_MAX = 8
+
+
+def _pending_of(iterator: Any) -> tuple[_Pending, bool]:
+    """The pending examples of a source iterator, and whether they are held strongly."""
+    try:
+        return _PENDING.setdefault(iterator, _Pending()), False
+    except TypeError:  # no weak reference (or not hashable): by identity, held
+        held = _HELD.get(id(iterator))
+        return (held[1] if held is not None else _Pending()), True
+
+
 class Rebatcher:
     """Turns a stream of batches of any leading size into batches of exactly ``size``.
 
     Leftover examples carry over to the next batch; nothing is reordered, skipped or
     repeated. A stream that ends leaves its last partial batch in ``leftover``.
 
+    The examples read past the last batch belong to the stream's iterator, not to the
+    Rebatcher: given an iterator (``iter(x) is x``: a generator, a file reader), a later
+    Rebatcher of that iterator yields them first. So ``trainer.fit(state, it, 1)``
+    called again on ``it`` goes on with the very next example. An iterable that is not
+    an iterator (a list) is read afresh by each Rebatcher.
+
     Args:
         batches: an iterable of pytrees of host arrays, any leading size (0 included).
         size: the leading size of each batch yielded.
 
     Attributes:
-        consumed: examples yielded so far (the stream position, for resuming).
+        consumed: examples this Rebatcher yielded (the stream position, for resuming).
         leftover: examples read from the stream but not yet yielded.
 
     Example:
@@ -128,6 +162,9 @@ class Rebatcher:
         >>> rebatched = Rebatcher(stream, 4)
         >>> [b["id"].tolist() for b in rebatched], rebatched.leftover, rebatched.consumed
         ([[0, 1, 2, 3], [4, 5, 6, 7]], 1, 8)
+        >>> chunks = iter([np.arange(0, 5), np.arange(5, 10)])
+        >>> next(Rebatcher(chunks, 4)).tolist(), next(Rebatcher(chunks, 4)).tolist()
+        ([0, 1, 2, 3], [4, 5, 6, 7])
     """
 
     def __init__(self, batches: Iterable[Any], size: int):
@@ -135,39 +172,63 @@ class Rebatcher:
             raise ValueError(f"{size=} must be a positive int.")
         self._batches = iter(batches)
         self.size = size
-        self._pending: list[Any] = []
-        self.leftover = 0
+        if self._batches is batches:  # the caller's iterator: share what waits in it
+            self._pending, self._held = _pending_of(self._batches)
+        else:
+            self._pending, self._held = _Pending(), False
         self.consumed = 0
+
+    @property
+    def leftover(self) -> int:
+        """Examples read from the stream but not yet yielded."""
+        return self._pending.count
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
-        while self.leftover < self.size:
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                raise StopIteration from None
-            if self._pending:
-                want = jax.tree.structure(self._pending[0])
-                if jax.tree.structure(batch) != want:
-                    raise ValueError(
-                        f"a batch of the stream has structure {jax.tree.structure(batch)}, "
-                        f"the ones before it {want}."
-                    )
-            self.leftover += leading_size(batch, "a batch of the stream")
-            self._pending.append(jax.tree.map(np.asarray, batch))
+        pending = self._pending
+        try:
+            while pending.count < self.size:
+                try:
+                    batch = next(self._batches)
+                except StopIteration:
+                    raise StopIteration from None
+                if pending.batches:
+                    want = jax.tree.structure(pending.batches[0])
+                    if jax.tree.structure(batch) != want:
+                        raise ValueError(
+                            f"a batch of the stream has structure {jax.tree.structure(batch)}, "
+                            f"the ones before it {want}."
+                        )
+                size = leading_size(batch, "a batch of the stream")
+                pending.batches.append(jax.tree.map(np.asarray, batch))
+                pending.count += size
+        finally:
+            self._hold()
         joined = (
-            self._pending[0]
-            if len(self._pending) == 1
-            else jax.tree.map(lambda *xs: np.concatenate(xs), *self._pending)
+            pending.batches[0]
+            if len(pending.batches) == 1
+            else jax.tree.map(lambda *xs: np.concatenate(xs), *pending.batches)
         )
         out = jax.tree.map(lambda x: x[: self.size], joined)
         rest = jax.tree.map(lambda x: x[self.size :], joined)
-        self.leftover -= self.size
-        self._pending = [rest] if self.leftover else []
+        pending.count -= self.size
+        pending.batches = [rest] if pending.count else []
         self.consumed += self.size
+        self._hold()
         return out
+
+    def _hold(self) -> None:
+        """Holds an iterator without weak references while examples wait in it."""
+        if not self._held:
+            return
+        key = id(self._batches)
+        _HELD.pop(key, None)
+        if self._pending.count:
+            _HELD[key] = (self._batches, self._pending)
+            while len(_HELD) > _HELD_MAX:
+                _HELD.popitem(last=False)
 
 
 def synthetic_images(

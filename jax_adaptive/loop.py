@@ -4,19 +4,90 @@ Kept apart from the jitted pieces (as the Flax examples keep ``train_step`` apar
 their loop): values come to the host once per update, for the history and the bar,
 never per micro-step. `jax_adaptive.AdaptiveTrainer.fit` and
 `jax_adaptive.BucketedTrainer.fit` both run it.
+
+Nothing a fit did is lost to an error part-way through it. An optimizer step that runs
+out of memory (`jax_adaptive.OptimizerStepOutOfMemory`, its need does not shrink with
+the micro-batch) is retried on the same batch from the state it kept. Any other error
+ends the loop as a `FitError`, raised from it (its traceback stays, as ``__cause__``),
+that holds the last good state, the history of the updates made and the batch in flight.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import jax
 
-__all__ = ["fit_loop"]
+from jax_adaptive.update import OptimizerStepOutOfMemory
+
+__all__ = ["FitError", "fit_loop"]
+
+log = logging.getLogger("jax_adaptive")
 
 State = TypeVar("State")
+
+
+class FitError(RuntimeError):
+    """``fit`` stopped part-way; what it did is here, the error that stopped it is ``__cause__``.
+
+    Attributes:
+        state: the state after the last update that completed (the state ``fit`` was
+            given when none did): go on from it, or save it.
+        history: the metrics of the updates this call completed.
+        batch: the batch in flight, whose update did not complete; the stream has
+            moved past it (None when no update was in flight: the error came from the
+            stream or from ``on_update``).
+
+    Example:
+        >>> def step(state, batch):
+        ...     if batch < 0:
+        ...         raise ValueError(f"bad batch {batch}")
+        ...     return state + batch, {"loss": batch, "examples": 1}
+        >>> try:
+        ...     fit_loop(step, 0, [1, 2, -3, 4])
+        ... except FitError as error:
+        ...     print(error.state, len(error.history), error.batch, repr(error.__cause__))
+        3 2 -3 ValueError('bad batch -3')
+    """
+
+    def __init__(self, state: Any, history: list[dict[str, Any]], batch: Any, cause: BaseException):
+        self.state, self.history, self.batch = state, history, batch
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        super().__init__(
+            f"fit stopped at update {len(history) + 1} by {type(cause).__name__}: {first} "
+            f"(the state after the {len(history)} updates it completed is in error.state, "
+            "their metrics in error.history)"
+        )
+
+
+def _update(
+    step: Callable[[State, Any], tuple[State, dict[str, Any]]],
+    state: State,
+    batch: Any,
+    retries: int,
+    kept: list[State],
+) -> tuple[State, dict[str, Any]]:
+    """One update, retried from the kept state when the optimizer step runs out of memory.
+
+    ``kept`` receives the state an out-of-memory handed back, for the caller's error.
+    """
+    for attempt in range(retries + 1):
+        try:
+            return step(state, batch)
+        except OptimizerStepOutOfMemory as exc:
+            state = exc.state  # the update's intact start: the batch runs again from it
+            kept.append(state)
+            if attempt == retries:
+                raise
+            log.warning(
+                "the optimizer step ran out of memory; retrying the update (%d)", attempt + 1
+            )
+            gc.collect()  # buffers held only by reference cycles go back to the device
+    raise AssertionError("unreachable")
 
 
 def fit_loop(
@@ -27,6 +98,7 @@ def fit_loop(
     *,
     progress: bool = False,
     on_update: Callable[[int, dict[str, Any]], None] | None = None,
+    retries: int = 3,
 ) -> tuple[State, list[dict[str, Any]]]:
     """Runs ``step`` on each batch until the stream ends or ``num_updates`` are done.
 
@@ -39,9 +111,16 @@ def fit_loop(
         progress: show a progress bar (update, loss, examples/s, micro-batch size and
             accumulation steps).
         on_update: called with the update's number (from 1) and metrics after each.
+        retries: how many times in a row one batch's update is run again after its
+            optimizer step ran out of memory.
 
     Returns:
         The state and one metrics dict (host values) per update.
+
+    Raises:
+        FitError: from any error of the stream, the step or ``on_update`` (after
+            ``retries`` out-of-memory errors of one update's optimizer step, too), with
+            the last good state, the history and the batch in flight.
 
     Example:
         >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
@@ -56,10 +135,18 @@ def fit_loop(
     history: list[dict[str, Any]] = []
     bar = tqdm(total=num_updates, disable=not progress, unit="update", leave=False)
     start, examples = time.perf_counter(), 0
+    iterator = iter(batches)
+    batch, kept = None, []
     try:
-        for batch in batches:
-            state, metrics = step(state, batch)
-            metrics = jax.device_get(metrics)
+        while num_updates is None or len(history) < num_updates:
+            batch, kept = None, []
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            new_state, metrics = _update(step, state, batch, retries, kept)
+            state, metrics = new_state, jax.device_get(metrics)
+            batch, kept = None, []  # done: nothing in flight
             history.append(metrics)
             if on_update is not None:
                 on_update(len(history), metrics)
@@ -71,8 +158,13 @@ def fit_loop(
                 accum=metrics.get("accumulation_steps"),
             )
             bar.update()
-            if num_updates is not None and len(history) == num_updates:
-                break
+    except Exception as exc:
+        good = kept[-1] if kept else state
+        raise FitError(good, history, batch, exc) from exc
+    except KeyboardInterrupt as exc:  # stays itself, carrying what was done
+        exc.state, exc.history = (kept[-1] if kept else state), history  # type: ignore[attr-defined]
+        exc.add_note(f"fit: {len(history)} updates completed; see .state and .history")
+        raise
     finally:
         bar.close()
     return state, history

@@ -15,10 +15,10 @@ file, or turns the default cache off with ``off``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +29,11 @@ import jax
 __all__ = ["PlanCache", "enable_compilation_cache", "plan_key"]
 
 _ENV = "JAX_ADAPTIVE_PLAN_CACHE"
+_WARNED: set[str] = set()  # the files this process has warned of
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def plan_key(**parts: Any) -> str:
@@ -87,7 +92,17 @@ class PlanCache:
             return cls(arg)
         raise TypeError(f"plan_cache must be a path, a PlanCache, True/False or None, got {arg!r}.")
 
+    def _warn(self, problem: str) -> None:
+        """Warns once per file in this process: training goes on, with or without it."""
+        key = str(self.path.absolute())
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"ignoring the plan cache {self.path}: {problem}.", stacklevel=4)
+
     def _read(self) -> dict[str, Any]:
+        if self.path.is_dir():
+            self._warn("it is a directory, so the plans found are not remembered")
+            return {}
         if not self.path.exists():
             return {}
         try:
@@ -95,12 +110,8 @@ class PlanCache:
             if not isinstance(entries, dict):
                 raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
             return entries
-        except (OSError, ValueError) as exc:
-            warnings.warn(
-                f"ignoring the plan cache {self.path}: it is unreadable ({exc}); "
-                "it will be rewritten",
-                stacklevel=3,
-            )
+        except (OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
+            self._warn(f"it is unreadable ({_first_line(exc)}); plans are searched afresh")
             return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -139,14 +150,39 @@ class PlanCache:
         return entry
 
     def put(self, key: str, plan: dict[str, Any]) -> None:
-        """Stores ``plan`` under ``key`` (atomically: a crash never leaves half a file)."""
-        entries = self._read()
-        entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plans-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        """Stores ``plan`` under ``key``; never raises (a file it cannot write warns once).
+
+        Writers in several processes lose nothing: each holds an exclusive lock on a
+        sidecar file (``<file>.lock``) while it reads, merges and atomically replaces the
+        file (a crash never leaves half a file; its temporary file is removed).
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "plans.json"
+            >>> PlanCache(path).put("a", {"micro_batch_size": 4})
+            >>> PlanCache(path).put("b", {"micro_batch_size": 8})
+            >>> sorted(json.loads(path.read_text()))
+            ['a', 'b']
+        """
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                entries = self._read()
+                entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                # O_CREAT with 0o666: the umask decides the mode, as for any new file.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(entries, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+                tmp = None
+        except OSError as exc:
+            self._warn(f"it cannot be written ({_first_line(exc)}), so plans are not remembered")
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
 
 def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path:
@@ -165,7 +201,15 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path
         >>> jax.config.update("jax_compilation_cache_dir", None)  # off again
     """
     directory = Path(path) if path is not None else PlanCache.default_path().parent / "xla"
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(20, "it is a file")
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot use {str(directory)!r} as the compilation cache (--compilation-cache): "
+            f"{exc.strerror or exc}."
+        ) from None
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

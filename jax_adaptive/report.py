@@ -10,6 +10,7 @@ matplotlib``).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ __all__ = ["main", "write_report"]
 
 
 def _plans(workdir: Path) -> list[dict[str, Any]]:
-    plan = json.loads((workdir / "plan.json").read_text())
-    if "plans" in plan:
-        return plan["plans"]
+    plan = json.loads((workdir / "plan.json").read_text())  # malformed: a ValueError
+    if not isinstance(plan, dict):
+        raise ValueError(f"{workdir / 'plan.json'} is not a JSON object; rerun the training.")
+    if isinstance(plan.get("plans"), list):
+        return [p for p in plan["plans"] if isinstance(p, dict)]
     if "search_log" in plan:  # written before the plans were a list: one image plan
         return [{**plan, "bucket": None}]
     raise ValueError(
@@ -28,20 +31,30 @@ def _plans(workdir: Path) -> list[dict[str, Any]]:
     )
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _search_panel(ax: Any, plan: dict[str, Any]) -> None:
-    log = [(i + 1, t) for i, t in enumerate(plan["search_log"]) if t["estimated_bytes"]]
+    # A trial without a numeric size and estimate (one that did not compile, a
+    # hand-edited entry) has no point to plot.
+    log = [
+        (i + 1, t)
+        for i, t in enumerate(plan.get("search_log") or [])
+        if isinstance(t, dict) and _number(t.get("size")) and _number(t.get("estimated_bytes"))
+    ]
     for fits, colour, label in ((True, "tab:green", "fits"), (False, "tab:red", "out of memory")):
         trials = [t for _, t in log if t["fits"] == fits]
         ax.scatter([t["size"] for t in trials], [t["estimated_bytes"] / 1e6 for t in trials],
                    c=colour, label=label, marker="o" if fits else "x")  # fmt: skip
     for order, t in log:  # the order the sizes were decided in
         ax.annotate(str(order), (t["size"], t["estimated_bytes"] / 1e6), fontsize=7)
-    if plan.get("capacity"):
+    if _number(plan.get("capacity")):
         ax.axhline(plan["capacity"] / 1e6, color="k", ls="--", label="limit")
-    name = "search" if plan["bucket"] is None else f"bucket {plan['bucket']}"
+    name = "search" if plan.get("bucket") is None else f"bucket {plan['bucket']}"
     ax.set(xlabel="micro-batch size", ylabel="estimated peak (MB)",
-           title=f"{name}: {plan['micro_batch_size']} x {plan['accumulation_steps']}, "
-           f"{plan['compiles']} compiles")  # fmt: skip
+           title=f"{name}: {plan.get('micro_batch_size')} x {plan.get('accumulation_steps')}, "
+           f"{plan.get('compiles')} compiles")  # fmt: skip
     ax.legend(fontsize=7)
 
 
@@ -95,7 +108,14 @@ def write_report(workdir: str | Path) -> list[Path]:
     plt.close(fig)
     lines = (workdir / "metrics.jsonl").read_text().splitlines() if (
         workdir / "metrics.jsonl").exists() else []  # fmt: skip
-    metrics = [json.loads(line) for line in lines if line.strip()]
+    metrics = []
+    for line in lines:
+        try:  # a killed run may leave half a line
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and _number(m.get("update")) and _number(m.get("loss")):
+            metrics.append(m)
     fig, ax = plt.subplots(figsize=(6, 4))
     _loss_panel(ax, metrics)
     fig.savefig(paths[1], dpi=120, bbox_inches="tight")

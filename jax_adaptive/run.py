@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ import tqdm
 
 from jax_adaptive import models
 from jax_adaptive.checkpoint import Checkpoints
+from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
@@ -88,13 +91,40 @@ class TrainConfig:
         return self.plan_cache
 
 
+def _positive_int(flag: str, value: Any, limit: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{flag} {value!r} must be a positive int.")
+    if limit is not None and value > limit:
+        raise ValueError(f"{flag} {value} must be at most {limit} (2**31 - 1).")
+
+
+def _positive_number(flag: str, value: Any) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} {value!r} must be a finite number above 0.")
+
+
+def _directory_flag(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    if any(c in path for c in "*?[]"):
+        raise ValueError(
+            f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."
+        )
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path!r} is a file; it must name a directory.")
+
+
 def check_config(config: TrainConfig) -> None:
-    """Raises a one-line `ValueError` for a config no path can run.
+    """Raises a one-line `ValueError`, naming the flag, for a config no path can run.
 
     Example:
         >>> check_config(TrainConfig(optimizer="lion"))
         Traceback (most recent call last):
         ValueError: unknown optimizer 'lion'; choose one of adam, adamw, sgd.
+        >>> check_config(TrainConfig(learning_rate=float("nan")))
+        Traceback (most recent call last):
+        ValueError: --learning-rate nan must be a finite number above 0.
     """
     if config.model not in MODEL_NAMES:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}.")
@@ -108,8 +138,35 @@ def check_config(config: TrainConfig) -> None:
         )
     if config.resume and config.workdir is None:
         raise ValueError("--resume needs --workdir (the directory of the run to resume).")
-    if config.checkpoint_every <= 0:
-        raise ValueError(f"checkpoint_every={config.checkpoint_every} must be positive.")
+    _positive_int("--target-batch-size", config.target_batch_size, MAX_TARGET_BATCH_SIZE)
+    if config.micro_batch_size != "auto":
+        if (
+            isinstance(config.micro_batch_size, bool)
+            or not isinstance(config.micro_batch_size, int)
+            or not 0 < config.micro_batch_size <= config.target_batch_size
+        ):
+            raise ValueError(
+                f"--micro-batch-size {config.micro_batch_size!r} must be 'auto' or an int "
+                f"from 1 to --target-batch-size {config.target_batch_size}."
+            )
+    if config.memory_limit is not None:
+        _positive_int("--memory-limit", config.memory_limit)
+    _positive_number("--learning-rate", config.learning_rate)
+    _positive_int("--updates", config.updates)
+    if config.epochs is not None:
+        _positive_number("--epochs", config.epochs)
+    if (
+        isinstance(config.seed, bool)
+        or not isinstance(config.seed, int)
+        or not (0 <= config.seed < 2**63)
+    ):
+        raise ValueError(f"--seed {config.seed!r} must be an int from 0 to 2**63 - 1.")
+    _positive_int("--checkpoint-every", config.checkpoint_every)
+    if config.target_tokens is not None:
+        _positive_int("--target-tokens", config.target_tokens, MAX_TARGET_BATCH_SIZE)
+    _positive_int("--max-length", config.max_length)
+    _directory_flag("--workdir", config.workdir)
+    _directory_flag("--compilation-cache", config.compilation_cache)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -169,8 +226,20 @@ class Workdir(contextlib.AbstractContextManager):
 
     def __init__(self, path: str | Path, config: TrainConfig, run: Mapping[str, Any] | None = None):
         self.path, self.config = Path(path).absolute(), config
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.checkpoints = None if run is None else Checkpoints(self.path / "checkpoints", run)
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "metrics.jsonl").touch()
+        except OSError as exc:
+            raise ValueError(
+                f"--workdir {str(path)!r} cannot be used: {exc.strerror or exc}."
+            ) from None
+        self.checkpoints = None
+        if run is not None:
+            self.checkpoints = Checkpoints(
+                self.path / "checkpoints", run, examples_per_update=config.target_batch_size
+            )
         held = self.checkpoints is not None and self.checkpoints.latest() is not None
         if held and not config.resume:
             self.checkpoints.close()
@@ -178,7 +247,7 @@ class Workdir(contextlib.AbstractContextManager):
                 f"{self.path} already holds checkpoints; pass --resume to go on, or another "
                 "--workdir."
             )
-        self._metrics = open(self.path / "metrics.jsonl", "a")
+        self._metrics: TextIO | None = None
         self._plan: Any = None
 
     @classmethod
@@ -204,8 +273,41 @@ class Workdir(contextlib.AbstractContextManager):
             (self.path / "plan.json").write_text(json.dumps(text, indent=1, default=str))
             self._plan = plan
 
+    def start(self, done: int) -> None:
+        """Keeps only the lines of updates ``1..done`` in ``metrics.jsonl``.
+
+        A run that goes on after ``done`` updates (a resumed one) writes the later ones
+        again: one line per update, however often they were redone.
+
+        Example:
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
+            ...     for update in (1, 2, 3):
+            ...         work.log({"update": update})
+            ...     work.start(1)
+            ...     work.log({"update": 2})
+            ...     (work.path / "metrics.jsonl").read_text().split()
+            ['{"update":', '1}', '{"update":', '2}']
+        """
+        if self._metrics is not None:
+            self._metrics.close()
+        path = self.path / "metrics.jsonl"
+        kept = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:  # a killed run may leave half a line
+                if int(json.loads(line)["update"]) <= done:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = path.with_name(f".metrics-{os.getpid()}.jsonl")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self._metrics = open(path, "a")
+
     def log(self, line: dict[str, Any]) -> None:
         """Appends one update's metrics as a JSON line (flushed: a killed run keeps it)."""
+        if self._metrics is None:
+            self._metrics = open(self.path / "metrics.jsonl", "a")
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
 
@@ -216,7 +318,8 @@ class Workdir(contextlib.AbstractContextManager):
 
     def close(self) -> None:
         """Closes the metrics file and waits for the checkpoints."""
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
 
@@ -280,6 +383,7 @@ def host_loop(
     bar = tqdm.tqdm(total=updates, initial=done, disable=not config.progress, unit="update")
     try:
         if workdir is not None:
+            workdir.start(done)  # the lines of updates about to be redone go
             workdir.write_plan(**plans())
         for update in range(done + 1, updates + 1):
             state, metrics = step(state)

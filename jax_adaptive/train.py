@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import re
 import sys
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import jax
 
@@ -42,9 +43,14 @@ def parse_bytes(text: str) -> int:
         raise ValueError(
             f"cannot read {text!r} as a memory size; write e.g. 8GiB, 512MB or 1000000."
         )
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = decimal.Decimal(match.group(1)) * _UNITS[match.group(2).lower()]  # exact
     if value < 1:
         raise ValueError(f"memory size {text!r} must be at least one byte.")
+    if value != value.to_integral_value():
+        raise ValueError(
+            f"memory size {text!r} is {value} bytes, not a whole number; give a unit "
+            "(e.g. 1.5GB) or whole bytes."
+        )
     return int(value)
 
 
@@ -90,8 +96,19 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _UsageError(Exception):
+    """A flag argparse could not read (its message names the flag)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag as one line with exit status 2 (`main` prints it), no usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m jax_adaptive.train",
         description="Train with a fixed target batch size through the largest micro-batch "
         "that fits the device (or --memory-limit).",
@@ -226,11 +243,20 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 with a one-line error).
 
+    Every bad flag gives one line on stderr (naming the flag and what it allows) and
+    status 2, before any training starts.
+
     Example:
         >>> main(["--resume"])  # prints "error: --resume needs --workdir ..." to stderr
         2
+        >>> main(["--updates", "0"])  # "error: --updates 0 must be a positive int."
+        2
     """
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"error: {exc} (see --help)", file=sys.stderr)
+        return 2
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
         train(config)

@@ -54,6 +54,11 @@ def _check(config: TrainConfig) -> None:
         raise ValueError("--model gpt reads an endless stream: use --updates, not --epochs.")
     if config.max_length < 16:
         raise ValueError(f"--max-length {config.max_length} must be at least 16.")
+    if config.target_tokens is not None and config.target_tokens < config.max_length:
+        raise ValueError(
+            f"--target-tokens {config.target_tokens} must be at least --max-length "
+            f"{config.max_length}: an update holds at least one sequence of each bucket."
+        )
 
 
 def _plans(trainer: BucketedTrainer) -> dict[str, Any]:

@@ -47,3 +47,30 @@ def test_synthetic_images_share_patterns_across_seeds():
             x["image"][x["label"] == c].mean(0) for x in (b if data is a else a,) for c in (0, 1)
         ]
         np.testing.assert_allclose(means, other, atol=0.35)  # same class patterns
+
+
+def _ids(n0, n1):
+    return {"id": np.arange(n0, n1)}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: (_ids(i, i + 5) for i in range(0, 40, 5)), id="generator"),
+        pytest.param(lambda: iter([_ids(i, i + 5) for i in range(0, 40, 5)]), id="list iterator"),
+    ],
+)
+def test_rebatchers_of_one_iterator_share_what_was_read_past_a_batch(make):
+    stream, seen = make(), []
+    for _ in range(4):  # a new Rebatcher each time, as each call of fit makes one
+        rebatcher = ja.Rebatcher(stream, 8)
+        seen.extend(next(rebatcher)["id"].tolist())
+        assert rebatcher.leftover == (5 - len(seen) % 5) % 5
+    seen.extend(b["id"].tolist() for b in ja.Rebatcher(stream, 8))
+    assert seen[:32] == list(range(32)) and seen[32:] == [list(range(32, 40))]
+
+
+def test_an_iterable_that_is_not_an_iterator_is_read_afresh():
+    chunks = [_ids(0, 5), _ids(5, 10)]
+    assert next(ja.Rebatcher(chunks, 8))["id"].tolist() == list(range(8))
+    assert next(ja.Rebatcher(chunks, 8))["id"].tolist() == list(range(8))

@@ -1,6 +1,11 @@
 """The plan cache: a second run of the same job searches nothing; bad entries are not trusted."""
 
 import json
+import os
+import stat
+import subprocess
+import sys
+import time
 
 import optax
 import pytest
@@ -33,6 +38,7 @@ def run(path, limit, optimizer=None, d_in=4, steps=2, loss=mlp_loss):
         target_batch_size=T,
         memory_limit=limit,
         plan_cache=path,
+        objective="max",  # the brute-force max is the reference
     )
     batches = batches_of(steps, T, d_in=d_in)
     state = trainer.init(mlp_params(d_in=d_in), batches[0])
@@ -107,7 +113,7 @@ def test_the_key_follows_the_live_limit_through_shrink_and_grow(tmp_path, estima
     path = tmp_path / "plans.json"
     trainer = ja.AdaptiveTrainer(
         mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[24],
-        plan_cache=path,
+        plan_cache=path, objective="max",
     )  # fmt: skip
     batches = batches_of(3, T)
     state = trainer.init(mlp_params(), batches[0])
@@ -123,3 +129,70 @@ def test_the_key_follows_the_live_limit_through_shrink_and_grow(tmp_path, estima
         again, _, compiles = run(path, estimates[size], steps=1)
         assert again.micro_batch_size == size == brute_force_max(estimates, estimates[size])
         assert compiles == 0 and again.search_log[0].decided_by == "plan cache"
+
+
+def _plan_cache_warnings(record):
+    return [w for w in record if "plan cache" in str(w.message)]
+
+
+def test_a_deeply_nested_file_warns_once_and_the_search_goes_on(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)  # json.loads: RecursionError
+    with pytest.warns(UserWarning, match="unreadable") as record:
+        trainer, _, compiles = run(path, estimates[20], steps=1)
+    assert len(_plan_cache_warnings(record)) == 1
+    assert compiles >= 1 and trainer.micro_batch_size == brute_force_max(estimates, estimates[20])
+    assert len(json.loads(path.read_text())) == 1  # rewritten with the plan found
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_an_unwritable_cache_warns_once_and_training_goes_on(tmp_path, estimates, where):
+    if where == "a directory":
+        path = tmp_path / "plans.json"
+        path.mkdir()
+    else:
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "plans.json"
+    with pytest.warns(UserWarning, match="ignoring the plan cache") as record:
+        trainer, state, _ = run(path, estimates[20])
+    assert len(_plan_cache_warnings(record)) == 1
+    assert trainer.micro_batch_size == brute_force_max(estimates, estimates[20])
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches_of(2, T))
+    assert_trees_close(state.params, reference, 1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) in (
+        ["plans.json", "plans.json.lock"],
+        ["file"],
+    )  # no temporary file left
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from jax_adaptive.plan_cache import PlanCache
+path, name, count, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+while not go.exists():
+    time.sleep(0.001)
+cache = PlanCache(path)
+for i in range(count):
+    cache.put(f"{name}-{i}", {"micro_batch_size": i + 1})
+"""
+
+
+def test_concurrent_writers_lose_nothing_and_leave_a_normal_file(tmp_path):
+    path, go = tmp_path / "plans.json", tmp_path / "go"
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name, "300", str(go)])
+        for name in ("a", "b")
+    ]
+    time.sleep(3)  # both importing, then waiting: they start writing together
+    go.touch()
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    entries = json.loads(path.read_text())
+    assert len(entries) == 600
+    assert {entries[f"{n}-{i}"]["micro_batch_size"] for n in "ab" for i in range(300)} == set(
+        range(1, 301)
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "plans.json", "plans.json.lock"]

@@ -2,6 +2,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jax_adaptive.report import main as report_main
 from jax_adaptive.report import write_report
 from jax_adaptive.train import TrainConfig, main, parse_bytes, train
 
@@ -45,18 +47,49 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "8 GiBs", "-5MB", "0.1"])
+@pytest.mark.parametrize("text", ["", "lots", "8 GiBs", "-5MB", "0.1", "1.5", "1.0001kB"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes(text)
 
 
 def test_bad_flags_give_one_line_errors(capsys):
-    with pytest.raises(SystemExit):
-        main(["--memory-limit", "lots"])
-    assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+    assert main(["--memory-limit", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --memory-limit: cannot read 'lots' as a memory size" in err
+    assert err.count("\n") == 1
     assert main(["--target-batch-size", "0"]) == 2
-    assert "target_batch_size=0 must be positive" in capsys.readouterr().err
+    assert "--target-batch-size 0 must be a positive int" in capsys.readouterr().err
+    assert main(["--memory-limit", "1.5"]) == 2  # was 1 byte
+    assert "is 1.5 bytes, not a whole number" in capsys.readouterr().err
+
+
+def test_metrics_hold_one_line_per_update_after_a_resume(tmp_path):
+    flags = ["--model", "mlp", "--target-batch-size", "8", "--checkpoint-every", "2"]
+    flags += ["--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]
+    assert main([*flags, "--updates", "5"]) == 0
+    # Killed after update 5's line but before its checkpoint: the resumed run redoes 5.
+    shutil.rmtree(tmp_path / "checkpoints" / "5")
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"update": 6, "lo')  # and half a line of a later one
+    assert main([*flags, "--updates", "7", "--resume"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_the_report_skips_trials_without_a_numeric_estimate(tmp_path):
+    train(TrainConfig(model="mlp", target_batch_size=8, updates=1, progress=False,
+                      plan_cache=False, workdir=str(tmp_path)), out=io.StringIO())  # fmt: skip
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["plans"][0]["search_log"] += [
+        {"size": 4, "fits": True, "estimated_bytes": "n/a"},
+        {"size": "x", "fits": False, "estimated_bytes": 10},
+        "not a trial",
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert [p.name for p in write_report(tmp_path)] == ["search_trace.png", "loss.png"]
+    (tmp_path / "plan.json").write_text("[1, 2")
+    assert report_main([str(tmp_path)]) == 2  # a damaged plan.json: one line, no traceback
 
 
 def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):

@@ -1,0 +1,328 @@
+"""The library's argument and batch checks: one-line errors that name the argument.
+
+Each check raises `TypeError` (a value of the wrong kind) or `ValueError` (a value out
+of range) in one sentence that shows the value, or returns the value normalised (a
+NumPy int becomes an ``int``). `jax_adaptive.AdaptiveTrainer` runs them when it is
+built and at each step, so a bad argument fails at once, never deep inside a trace or a
+compile with XLA's multi-line message.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_adaptive.data import leading_size
+
+__all__ = [
+    "MAX_TARGET_BATCH_SIZE",
+    "check_batch",
+    "check_buckets",
+    "check_device",
+    "check_fraction",
+    "check_grow",
+    "check_limit",
+    "check_target_batch_size",
+    "fixed_size",
+    "non_negative_int",
+    "on_device",
+    "positive_int",
+    "refuse_aux_named_loss",
+]
+
+MAX_TARGET_BATCH_SIZE = 2**31 - 1
+"""The largest target batch: the micro-step counts examples and offsets in int32."""
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an ``int`` if it is a positive int (not a bool).
+
+    Example:
+        >>> positive_int("in_flight", 2)
+        2
+        >>> positive_int("in_flight", 0)
+        Traceback (most recent call last):
+        ValueError: in_flight=0 must be positive.
+    """
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive.")
+    return int(value)
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an ``int`` if it is an int (not a bool) of at least 0.
+
+    Example:
+        >>> non_negative_int("oom_retries", -1)
+        Traceback (most recent call last):
+        ValueError: oom_retries=-1 must be at least 0.
+    """
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__}).")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be at least 0.")
+    return int(value)
+
+
+def check_target_batch_size(value: Any) -> int:
+    """The target batch size: a positive int below ``2**31`` (the micro-step's int32).
+
+    Example:
+        >>> check_target_batch_size(2**31)
+        Traceback (most recent call last):
+        ValueError: target_batch_size=2147483648 must be at most 2**31 - 1 ...
+    """
+    value = positive_int("target_batch_size", value)
+    if value > MAX_TARGET_BATCH_SIZE:
+        raise ValueError(
+            f"target_batch_size={value} must be at most 2**31 - 1 (the micro-step counts "
+            "examples in int32)."
+        )
+    return value
+
+
+def check_limit(memory_limit: Any) -> int | None:
+    """A memory limit: None (no cap) or a positive int of bytes.
+
+    Example:
+        >>> check_limit(None), check_limit(2**20)
+        (None, 1048576)
+        >>> check_limit(1.5)
+        Traceback (most recent call last):
+        TypeError: memory_limit must be a positive int, got 1.5 (float).
+    """
+    return None if memory_limit is None else positive_int("memory_limit", memory_limit)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """A share in ``[0, 1)`` (a real number, not a bool nor a string).
+
+    Example:
+        >>> check_fraction("headroom", 0.1)
+        0.1
+        >>> check_fraction("headroom", "x")
+        Traceback (most recent call last):
+        TypeError: headroom must be a number in [0, 1), got 'x' (str).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(
+            f"{name} must be a number in [0, 1), got {value!r} ({type(value).__name__})."
+        )
+    if not 0.0 <= float(value) < 1.0:  # NaN fails this too
+        raise ValueError(f"{name}={value!r} must be in [0, 1).")
+    return float(value)
+
+
+def check_grow(grow: Any) -> str | int:
+    """The grow policy: ``"never"``, ``"on_limit_change"`` or a positive int (not a bool).
+
+    Example:
+        >>> check_grow(10), check_grow("never")
+        (10, 'never')
+        >>> check_grow(True)
+        Traceback (most recent call last):
+        TypeError: grow must be 'never', 'on_limit_change' or a positive int, got True (bool).
+    """
+    if isinstance(grow, str) and grow in ("never", "on_limit_change"):
+        return grow
+    if not _is_int(grow):
+        raise TypeError(
+            "grow must be 'never', 'on_limit_change' or a positive int, got "
+            f"{grow!r} ({type(grow).__name__})."
+        )
+    return positive_int("grow", grow)
+
+
+def check_device(device: Any) -> jax.Device | None:
+    """A ``jax.Device`` or None (a name such as ``"cpu"`` is not a device).
+
+    Example:
+        >>> check_device(None) is None, check_device(jax.devices()[0]) is jax.devices()[0]
+        (True, True)
+        >>> check_device("cpu")
+        Traceback (most recent call last):
+        TypeError: device must be a jax.Device such as jax.devices()[0], or None, got 'cpu' (str).
+    """
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(
+            "device must be a jax.Device such as jax.devices()[0], or None, got "
+            f"{device!r} ({type(device).__name__})."
+        )
+    return device
+
+
+def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> int | None:
+    """The fixed micro-batch size (None for ``"auto"``), checked against the others.
+
+    Example:
+        >>> fixed_size("auto", 1, 8, 1) is None, fixed_size(4, 1, 8, 1)
+        (True, 4)
+        >>> fixed_size(16, 1, 8, 1)
+        Traceback (most recent call last):
+        ValueError: micro_batch_size=16 must not exceed target_batch_size=8.
+    """
+    if shards > T:
+        raise ValueError(
+            f"target_batch_size={T} is smaller than the {shards} data shards of the "
+            "mesh: every device needs an example."
+        )
+    if multiple_of > T:
+        raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
+    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
+        return None
+    if isinstance(micro_batch_size, str):
+        raise TypeError(
+            f"micro_batch_size must be 'auto' or a positive int, got {micro_batch_size!r} (str)."
+        )
+    size = positive_int("micro_batch_size", micro_batch_size)
+    if size > T:
+        raise ValueError(f"micro_batch_size={size} must not exceed target_batch_size={T}.")
+    if size % shards:
+        raise ValueError(f"micro_batch_size={size} must be a multiple of the {shards} data shards.")
+    return size
+
+
+def refuse_aux_named_loss(
+    loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
+) -> Callable[..., Any]:
+    """``loss_fn``, refusing (when traced) an aux metric named ``"loss"``.
+
+    The reported ``loss`` is the weighted mean of the per-example losses; an aux metric
+    of that name would silently replace it. The check runs where the loss is traced
+    first (at ``init``), so it costs no trace of its own; output of another form passes
+    through untouched for the trainer's own error.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> loss = refuse_aux_named_loss(lambda p, b, r: (b, {"loss": b}), True, False)
+        >>> loss(None, jnp.ones(2), None)
+        Traceback (most recent call last):
+        ValueError: loss_fn's aux has a metric named 'loss', which would replace ...
+    """
+    if not has_aux:
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        inner = out[0] if has_state and isinstance(out, tuple) and len(out) == 2 else out
+        aux = inner[1] if isinstance(inner, tuple) and len(inner) == 2 else None
+        if isinstance(aux, dict) and "loss" in aux:
+            raise ValueError(
+                "loss_fn's aux has a metric named 'loss', which would replace the reported "
+                "loss; rename it (e.g. 'aux_loss')."
+            )
+        return out
+
+    return checked
+
+
+def _dtype(x: Any) -> np.dtype:
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def check_batch(batch: Any, weights: Any, example: Any, T: int) -> None:
+    """Raises a one-line error for a batch (or weights) the compiled programs would not take.
+
+    Args:
+        batch: the step's batch.
+        weights: its per-example weights, or None.
+        example: ``ShapeDtypeStruct``s of one example, as the trainer was planned for.
+        T: the target batch size.
+
+    Example:
+        >>> example = {"x": jax.ShapeDtypeStruct((3,), np.float32)}
+        >>> check_batch({"x": np.zeros((8, 3), np.float32)}, None, example, 8)
+        >>> check_batch({"x": np.zeros((8, 3), np.int32)}, None, example, 8)
+        Traceback (most recent call last):
+        ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
+    """
+    size = leading_size(batch)
+    if size != T:
+        raise ValueError(
+            f"the batch has leading size {size}, but each step takes exactly "
+            f"target_batch_size={T} examples."
+        )
+    got, want = jax.tree.structure(batch), jax.tree.structure(example)
+    if got != want:
+        raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    for (path, x), spec in zip(leaves, jax.tree.leaves(example), strict=True):
+        where = jax.tree_util.keystr(path)
+        if np.shape(x)[1:] != spec.shape:
+            raise ValueError(
+                f"the batch leaf {where} has per-example shape {np.shape(x)[1:]}, but "
+                f"example_batch had {spec.shape}."
+            )
+        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
+        if have != need:
+            raise ValueError(
+                f"the batch leaf {where} has dtype {have}, but example_batch had {need}; "
+                f"cast it (x.astype({need.name!r}))."
+            )
+    if weights is not None and np.shape(weights) != (T,):
+        raise ValueError(f"weights must have shape ({T},), got {np.shape(weights)}.")
+
+
+def on_device(batch: Any, device: jax.Device | None) -> Any:
+    """The batch with each ``jax.Array`` on another device moved to ``device``.
+
+    Host arrays pass as they are (each micro-step's call transfers its rows); so does
+    everything when ``device`` is None (a mesh places its micro-batches itself).
+
+    Example:
+        >>> device = jax.devices()[0]
+        >>> moved = on_device({"x": jax.device_put(np.ones(2), device)}, device)
+        >>> moved["x"].devices() == {device}
+        True
+    """
+    if device is None:
+        return batch
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.devices() != {device}:
+            return jax.device_put(x, device)
+        return x
+
+    return jax.tree.map(move, batch)
+
+
+def check_buckets(buckets: Any) -> tuple[Any, ...]:
+    """Bucket lengths or shapes, as a tuple (a string is not one: ``"16"`` is no bucket).
+
+    Example:
+        >>> check_buckets([16, 32]), check_buckets({(8, 8)})
+        ((16, 32), ((8, 8),))
+        >>> check_buckets("16")
+        Traceback (most recent call last):
+        TypeError: buckets must be lengths or shapes such as (16, 32) ... got '16' (str).
+    """
+
+    def is_bucket(bucket: Any) -> bool:
+        if _is_int(bucket):
+            return True
+        return (
+            isinstance(bucket, Sequence)
+            and not isinstance(bucket, str | bytes)
+            and (len(bucket) > 0 and all(_is_int(d) for d in bucket))
+        )
+
+    ok = isinstance(buckets, Iterable) and not isinstance(buckets, str | bytes)
+    listed = tuple(buckets) if ok else ()
+    if not ok or not all(is_bucket(b) for b in listed):
+        raise TypeError(
+            "buckets must be lengths or shapes such as (16, 32) or ((32, 32), (64, 64)), "
+            f"got {buckets!r} ({type(buckets).__name__})."
+        )
+    return listed

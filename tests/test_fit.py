@@ -1,0 +1,141 @@
+"""fit() loses nothing: examples read past an update, an optimizer step out of memory, errors.
+
+The reference is plain optax: one jitted full-batch step per target batch, on the
+batches cut by hand from the stream of example ids.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, full_batch_reference
+
+import jax_adaptive as ja
+from jax_adaptive.update import OptimizerStepOutOfMemory
+
+T = 8
+OPTIMIZER = optax.sgd(0.05)
+
+
+def loss(params, batch, rng):
+    return (batch["x"] @ params - batch["y"]) ** 2
+
+
+def examples(ids):
+    """Each example is a function of its id: a dropped or repeated one changes the update."""
+    ids = np.asarray(ids)
+    x = np.stack([np.sin(ids), np.cos(0.7 * ids), np.ones(len(ids))], axis=1)
+    return {"x": x.astype(np.float32), "y": (0.1 * ids % 3).astype(np.float32)}
+
+
+def chunks(total=40, size=5):
+    for start in range(0, total, size):
+        yield examples(range(start, min(start + size, total)))
+
+
+def reference(updates):
+    batches = [examples(range(u * T, (u + 1) * T)) for u in range(updates)]
+    return full_batch_reference(loss, OPTIMIZER, jnp.zeros(3), batches)
+
+
+def trainer():
+    t = ja.AdaptiveTrainer(loss, OPTIMIZER, target_batch_size=T, micro_batch_size=3,
+                           plan_cache=False)  # fmt: skip
+    return t, t.init(jnp.zeros(3), examples([0]))
+
+
+def test_fit_called_again_on_one_iterator_goes_on_with_the_next_example():
+    t, state = trainer()
+    stream = chunks()  # 40 examples in chunks of 5: each update reads past its end
+    for _ in range(5):
+        state, history = t.fit(state, stream, num_updates=1)
+        assert [h["examples"] for h in history] == [T]
+    assert int(state.updates) == 5
+    assert_trees_close(state.params, reference(5), 1e-6)
+
+
+class OptimizerOutOfMemoryAt:
+    """The trainer's step, whose optimizer step runs out of memory at the chosen calls.
+
+    It raises as the trainer does (`OptimizerStepOutOfMemory` with the update's intact
+    start state) before running the real step; every other call is the real step.
+    """
+
+    def __init__(self, step, calls):
+        self.step, self.calls, self.count = step, calls, 0
+
+    def __call__(self, state, batch):
+        self.count += 1
+        if self.count in self.calls:
+            raise OptimizerStepOutOfMemory(state)
+        return self.step(state, batch)
+
+
+def test_an_optimizer_step_out_of_memory_in_fit_runs_the_update_again():
+    t, state = trainer()
+    t.step = faulty = OptimizerOutOfMemoryAt(t.step, calls={2, 4, 5})
+    state, history = t.fit(state, chunks(), num_updates=4)
+    assert faulty.count == 7 and len(history) == 4  # three updates ran twice or more
+    assert int(state.updates) == 4
+    assert_trees_close(state.params, reference(4), 1e-6)
+
+
+def test_an_optimizer_step_that_keeps_failing_ends_fit_with_the_kept_state():
+    t, state = trainer()
+    t.step = OptimizerOutOfMemoryAt(t.step, calls=set(range(2, 100)))
+    with pytest.raises(ja.FitError, match="fit stopped at update 2") as info:
+        t.fit(state, chunks())
+    error = info.value
+    assert isinstance(error.__cause__, OptimizerStepOutOfMemory)
+    assert len(error.history) == 1 and int(error.state.updates) == 1
+    assert_trees_close(error.state.params, reference(1), 1e-6)
+    np.testing.assert_array_equal(error.batch["y"], examples(range(8, 16))["y"])
+
+
+def test_an_error_part_way_keeps_the_updates_made_and_the_batch_in_flight():
+    t, state = trainer()
+    bad = {"x": np.ones((T, 4), np.float32), "y": np.ones(T, np.float32)}  # 4 features, not 3
+    stream = iter([examples(range(0, 8)), examples(range(8, 16)), bad, examples(range(16, 24))])
+    with pytest.raises(ja.FitError, match="by ValueError: the batch leaf") as info:
+        t.fit(state, stream)
+    error = info.value
+    assert isinstance(error.__cause__, ValueError) and "per-example shape" in str(error.__cause__)
+    assert len(error.history) == 2 and int(error.state.updates) == 2
+    assert error.batch is not None and error.batch["x"].shape == (T, 4)
+    assert_trees_close(error.state.params, reference(2), 1e-6)
+    state, history = t.fit(error.state, stream)  # go on past the bad batch: nothing lost
+    assert len(history) == 1
+    assert_trees_close(state.params, reference(3), 1e-6)
+
+
+def test_an_error_of_the_stream_itself_keeps_the_updates_made():
+    def failing():
+        yield from chunks(total=20)
+        raise OSError("the data server went away")
+
+    t, state = trainer()
+    with pytest.raises(ja.FitError, match="OSError: the data server went away") as info:
+        t.fit(state, failing())
+    error = info.value
+    assert error.batch is None and len(error.history) == 2
+    assert_trees_close(error.state.params, reference(2), 1e-6)
+
+
+def test_a_sequence_too_long_for_every_bucket_keeps_the_bucketed_updates():
+    def seq_loss(params, batch, rng):
+        return jnp.sum(batch["mask"] * (batch["x"] - params) ** 2, axis=1)
+
+    t = ja.BucketedTrainer(seq_loss, optax.sgd(0.1), buckets=(4, 8), target_tokens=16,
+                           plan_cache=False)  # fmt: skip
+    lengths = [3, 7, 2, 4, 6, 1, 12, 3]  # 12 fits no bucket; before it, updates of 8 and 4
+    sequences = [{"x": np.full(n, float(n), np.float32)} for n in lengths]
+    state = t.init(jnp.zeros(()), sequences[0])
+    with pytest.raises(ja.FitError, match="does not fit any bucket") as info:
+        t.fit(state, sequences)
+    error = info.value
+    assert [h["bucket"] for h in error.history] == [8, 4] and int(error.state.updates) == 2
+    # by hand, the gradient of the mean over real tokens of (x - p)^2: bucket 8 holds the
+    # sequences of 7 and 6, bucket 4 those of 3, 2, 4 and 1 (each x is its length)
+    p = -0.1 * (-2 * (7 * 7 + 6 * 6 - 13 * 0.0) / 13)
+    p = p - 0.1 * (-2 * (3 * 3 + 2 * 2 + 4 * 4 + 1 * 1 - 10 * p) / 10)
+    np.testing.assert_allclose(error.state.params, p, rtol=1e-6)
