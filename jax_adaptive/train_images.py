@@ -7,6 +7,7 @@ when asked, and trains through the shared `jax_adaptive.run.host_loop`.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, TextIO
 
@@ -34,18 +35,46 @@ __all__ = ["train_images"]
 
 _RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_rate", "seed")
 
+GHOST_BATCH_SIZE = 32
+"""The examples each BatchNorm statistic of the ResNets is computed over, by default."""
+
+
+def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | None:
+    """The ghost batch of a model with BatchNorm: the same training on any device.
+
+    The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (and a fixed
+    micro-batch), at least 8; None (per-micro-batch statistics) for a model without
+    batch statistics, when no such divisor exists, or in a data-parallel run (a
+    micro-batch's groups, run one after another, would each sit on one device).
+
+    Example:
+        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96),
+        ...                  ("batch_stats",))
+        32
+        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100),
+        ...                  ("batch_stats",)) is None
+        True
+    """
+    if not mutable or config.data_parallel:
+        return None
+    fixed = config.micro_batch_size if isinstance(config.micro_batch_size, int) else 0
+    size = math.gcd(GHOST_BATCH_SIZE, config.target_batch_size, fixed)
+    return size if size >= 8 else None
+
 
 def _image_trainer(
     config: TrainConfig, num_classes: int
 ) -> tuple[Any, tuple[str, ...], AdaptiveTrainer]:
     module, mutable = IMAGE_MODELS[config.model]
     model = module(num_classes=num_classes)
+    ghost = _ghost_batch_size(config, mutable)
     trainer = AdaptiveTrainer(
-        models.linen_classifier_loss(model, mutable=mutable),
+        models.linen_classifier_loss(model, mutable=mutable, ghost_batch_size=ghost),
         make_optimizer(config),
         target_batch_size=config.target_batch_size,
         micro_batch_size=config.micro_batch_size,
         memory_limit=config.memory_limit,
+        multiple_of=ghost or 1,
         has_aux=True,
         has_state=bool(mutable),
         objective=config.objective,

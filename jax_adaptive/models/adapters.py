@@ -1,6 +1,14 @@
-"""Adapters: a Flax model (linen or NNX) into the per-example loss `AdaptiveTrainer` takes."""
+"""Adapters: a Flax model (linen or NNX) into the per-example loss `AdaptiveTrainer` takes.
 
-from collections.abc import Callable, Sequence
+They take models written as Flax's own examples write them: linen BatchNorm with an
+``axis_name`` (written for ``pmap``), NNX modules whose Dropout takes ``rngs`` at call
+time, a train/eval switch, and ghost batches (`jax_adaptive.ghost_batches`) that make
+BatchNorm training the same whatever micro-batch the device gets. `NnxTrainer` trains
+an ``nnx.Module`` in place.
+"""
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -9,6 +17,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax_adaptive.ghost import ghost_batches
+from jax_adaptive.step import Batch, TrainState
+from jax_adaptive.trainer import AdaptiveTrainer
+
 
 def _classifier_losses(logits, labels):
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
@@ -16,30 +28,85 @@ def _classifier_losses(logits, labels):
     return losses, {"accuracy": accuracy}
 
 
+def _with_ghost_batches(loss_fn, ghost_batch_size, stateful: bool, train: bool):
+    if ghost_batch_size is None:
+        return loss_fn
+    if not (stateful and train):
+        raise ValueError(
+            f"{ghost_batch_size=} needs batch statistics to group: name them in mutable "
+            f"and train with train=True (got {train=})."
+        )
+    return ghost_batches(loss_fn, ghost_batch_size)
+
+
+def _bind_axis(call: Callable[[Any], Any], axis_name: str | None) -> Callable[[Any], Any]:
+    """``call`` under a size-1 ``vmap`` that binds ``axis_name``, as ``pmap`` would.
+
+    A collective over that axis (BatchNorm's mean with ``axis_name='batch'``) then
+    reduces over this one device's micro-batch (or ghost batch) only.
+    """
+    if axis_name is None:
+        return call
+
+    def bound(x):
+        out = jax.vmap(call, axis_name=axis_name)(jax.tree.map(lambda a: a[None], x))
+        return jax.tree.map(lambda a: a[0], out)
+
+    return bound
+
+
 def linen_classifier_loss(
     model: nn.Module,
     *,
     mutable: Sequence[str] = (),
+    train: bool = True,
+    axis_name: str | None = None,
+    ghost_batch_size: int | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
     image_key: str = "image",
     label_key: str = "label",
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a linen classifier, with accuracy as aux.
 
     The model is called as ``model.apply({"params": params, **model_state}, x,
-    train=True, rngs={"dropout": rng}, mutable=mutable)``. Use the loss with
-    ``has_aux=True``, and with ``has_state=True`` when ``mutable`` names collections
-    (Flax ``batch_stats``): it then takes and returns the model state, and BatchNorm
-    statistics are those of each micro-batch, as in every accumulation scheme.
+    train=train, rngs={"dropout": rng}, mutable=mutable, **call_kwargs)``. Use the loss
+    with ``has_aux=True``, and with ``has_state=True`` when ``mutable`` names
+    collections (Flax ``batch_stats``): it then takes and returns the model state.
+
+    BatchNorm, three ways:
+
+    * ``train=True`` (the default): statistics of each micro-batch, as in every
+      accumulation scheme; the running averages move once per micro-step. Both depend
+      on the micro-batch size, and so on the device.
+    * ``ghost_batch_size=g``: statistics of each group of ``g`` consecutive examples,
+      the running averages moved once per group in order (`jax_adaptive.ghost_batches`):
+      the same training whatever the micro-batch. Train with ``multiple_of=g`` and a
+      target batch that is a multiple of ``g``.
+    * ``train=False``: evaluation mode (frozen BatchNorm: the running averages, left as
+      they are; Dropout off). Each example's loss is then its own and the update exact
+      for any micro-batch; the model state is returned unchanged.
 
     Args:
         model: any linen module taking ``(x, train=...)`` and returning logits.
         mutable: the collections the model updates in training, e.g. ``("batch_stats",)``.
+        train: training mode (batch statistics, Dropout on) or evaluation mode.
+        axis_name: the axis name the model's BatchNorm reduces over, e.g. ``"batch"``
+            for a model written for ``pmap`` (``nn.BatchNorm(axis_name="batch")``, as in
+            the Flax ImageNet example): the adapter binds it over the micro-batch (or
+            ghost batch) with a size-1 ``vmap``, so the model runs unchanged.
+        ghost_batch_size: BatchNorm over groups of this many examples (see above).
+        call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
-        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)``.
+        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)`` (with
+        ghost batches it also takes the trainer's ``weights`` keyword).
+
+    Raises:
+        ValueError: when ``ghost_batch_size`` is given without ``mutable`` or with
+            ``train=False``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -51,25 +118,33 @@ def linen_classifier_loss(
         >>> losses.shape, aux["accuracy"].shape
         ((5,), (5,))
     """
-    if mutable:
+    kwargs = dict(call_kwargs or {})
+    updates = bool(mutable) and train  # whether the model state changes
 
-        def stateful_loss_fn(params, model_state, batch, rng):
-            logits, new_state = model.apply(
+    def apply(params, model_state, batch, rng):
+        def call(x):
+            return model.apply(
                 {"params": params, **model_state},
-                batch[image_key],
-                train=True,
+                x,
+                train=train,
                 rngs={"dropout": rng},
-                mutable=list(mutable),
+                mutable=list(mutable) if updates else False,
+                **kwargs,
             )
-            return _classifier_losses(logits, batch[label_key]), new_state
 
-        return stateful_loss_fn
+        out = _bind_axis(call, axis_name)(batch[image_key])
+        if not updates:
+            return _classifier_losses(out, batch[label_key]), model_state
+        logits, changed = out
+        # every collection the state came with, so that its structure never changes
+        return _classifier_losses(logits, batch[label_key]), {**model_state, **changed}
+
+    if mutable:
+        return _with_ghost_batches(apply, ghost_batch_size, True, train)
+    _with_ghost_batches(None, ghost_batch_size, False, train)  # raises when given
 
     def loss_fn(params, batch, rng):
-        logits = model.apply(
-            {"params": params}, batch[image_key], train=True, rngs={"dropout": rng}
-        )
-        return _classifier_losses(logits, batch[label_key])
+        return apply(params, {}, batch, rng)[0]
 
     return loss_fn
 
@@ -127,10 +202,20 @@ def gpt_token_loss(
     return loss_fn
 
 
+def _takes_rngs(model: nnx.Module) -> bool:
+    try:
+        return "rngs" in inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def nnx_classifier_loss(
     model: nnx.Module,
     *,
     mutable: nnx.filterlib.Filter | None = None,
+    train: bool = True,
+    ghost_batch_size: int | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
     image_key: str = "image",
     label_key: str = "label",
 ) -> Callable[..., Any]:
@@ -138,7 +223,8 @@ def nnx_classifier_loss(
 
     The trainer's parameters are the model's ``nnx.Param`` state, and its model state
     the variables that ``mutable`` selects (``nnx.BatchStat`` for BatchNorm; use
-    ``has_state=True`` then)::
+    ``has_state=True`` then). `NnxTrainer` does this split and puts the trained values
+    back into the module; by hand::
 
         loss_fn = nnx_classifier_loss(model, mutable=nnx.BatchStat)
         trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), target_batch_size=T,
@@ -149,17 +235,26 @@ def nnx_classifier_loss(
         nnx.update(model, state.params, state.model_state)  # the trained values back
 
     The loss runs a copy of the model taken now, in training mode (``model.train()``:
-    ``deterministic=False``, ``use_running_average=False``); ``model`` itself is not
-    changed, and its variables other than the parameters and ``mutable`` are constants
-    of the loss, as they are now.
-    Dropout is on: every RNG stream of the copy is reseeded from the trainer's ``rng``
-    at each call, so the masks follow the trainer's keys (a fresh key per micro-batch),
-    not the model's own ``nnx.Rngs``.
+    ``deterministic=False``, ``use_running_average=False``) or, with ``train=False``,
+    in evaluation mode (``model.eval()``: frozen BatchNorm, Dropout off); ``model``
+    itself is not changed, and its variables other than the parameters and ``mutable``
+    are constants of the loss, as they are now.
+
+    Randomness follows the trainer's ``rng`` (a fresh key per micro-batch), not the
+    model's own ``nnx.Rngs``: every RNG stream the copy owns is reseeded from it at each
+    call, and a model whose ``__call__`` takes ``rngs`` (the NNX MNIST tutorial's CNN,
+    whose Dropout takes them at call time) is called with ``rngs=nnx.Rngs(rng)``.
+    ``ghost_batch_size`` computes BatchNorm statistics over groups of that many
+    examples whatever the micro-batch (`jax_adaptive.ghost_batches`; see
+    `linen_classifier_loss`).
 
     Args:
         model: an NNX module mapping a batch of inputs to logits.
         mutable: a filter of the variables the model updates in training, e.g.
-            ``nnx.BatchStat``; required when the model has ``nnx.BatchStat`` variables.
+            ``nnx.BatchStat``; required when the model trains BatchNorm statistics.
+        train: training mode or evaluation mode (see above).
+        ghost_batch_size: BatchNorm over groups of this many examples.
+        call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
 
@@ -168,7 +263,8 @@ def nnx_classifier_loss(
         ``(params, model_state, batch, rng) -> ((losses, aux), model_state)``.
 
     Raises:
-        ValueError: when the model has BatchNorm statistics and ``mutable`` is None.
+        ValueError: when the model trains BatchNorm statistics and ``mutable`` is None,
+            or ``ghost_batch_size`` is given without them.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -180,15 +276,20 @@ def nnx_classifier_loss(
         >>> losses.shape, aux["accuracy"].shape
         ((5,), (5,))
     """
-    if mutable is None and nnx.state(model, nnx.BatchStat):
+    if mutable is None and train and nnx.state(model, nnx.BatchStat):
         raise ValueError(
             "the model has nnx.BatchStat variables, which training updates: pass "
             "mutable=nnx.BatchStat and use the trainer with has_state=True."
         )
-    train_copy = nnx.clone(model)  # a snapshot: later changes to ``model`` do not leak in
-    train_copy.train()
+    copy = nnx.clone(model)  # a snapshot: later changes to ``model`` do not leak in
+    if train:
+        copy.train()
+    else:
+        copy.eval()
     filters = (nnx.Param, ...) if mutable is None else (nnx.Param, mutable, ...)
-    graphdef, *_, rest = nnx.split(train_copy, *filters)
+    graphdef, *_, rest = nnx.split(copy, *filters)
+    kwargs = dict(call_kwargs or {})
+    call_rngs = _takes_rngs(model) and "rngs" not in kwargs
 
     def run(params, model_state, batch, rng):
         module = nnx.merge(graphdef, params, *model_state, rest, copy=True)
@@ -196,7 +297,9 @@ def nnx_classifier_loss(
             {s.key.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
         )
         nnx.reseed(module, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(tags)})
-        return _classifier_losses(module(batch[image_key]), batch[label_key]), module
+        extra = {"rngs": nnx.Rngs(rng)} if call_rngs else {}
+        logits = module(batch[image_key], **kwargs, **extra)
+        return _classifier_losses(logits, batch[label_key]), module
 
     if mutable is not None:
 
@@ -204,9 +307,129 @@ def nnx_classifier_loss(
             out, module = run(params, (model_state,), batch, rng)
             return out, nnx.state(module, mutable)
 
-        return stateful_loss_fn
+        return _with_ghost_batches(stateful_loss_fn, ghost_batch_size, True, train)
+    _with_ghost_batches(None, ghost_batch_size, False, train)  # raises when given
 
     def loss_fn(params, batch, rng):
         return run(params, (), batch, rng)[0]
 
     return loss_fn
+
+
+class NnxTrainer:
+    """Trains an ``nnx.Module`` in place with `AdaptiveTrainer`, from an optax optimizer.
+
+    Each `step` runs one exact update of ``target_batch_size`` examples and writes the
+    new parameters and BatchNorm statistics (``nnx.BatchStat``) back into ``model``
+    (``nnx.update``), so the module is the trained model after every step: evaluate it
+    with ``model.eval()``, save it, train on. The plan, the search and the recovery
+    from out-of-memory are `AdaptiveTrainer`'s (``trainer``); the first `step` (or
+    `init`) plans the micro-batch size on its batch.
+
+    The loss is `nnx_classifier_loss` (``batch["image"]``, ``batch["label"]``) unless
+    ``loss_fn`` gives another: one taking the model state (``(params, model_state,
+    batch, rng) -> (output, model_state)``) when the model has ``nnx.BatchStat``
+    variables, ``(params, batch, rng) -> output`` when not; pass ``has_aux`` to match.
+
+    Args:
+        model: the module to train; updated in place.
+        optimizer: any ``optax.GradientTransformation``.
+        target_batch_size: examples per optimizer update.
+        loss_fn: the per-example loss, or None for `nnx_classifier_loss` in training mode.
+        ghost_batch_size: BatchNorm over groups of this many examples, so that training
+            does not depend on the micro-batch (`jax_adaptive.ghost_batches`); sets the
+            trainer's ``multiple_of`` to it unless given.
+        rng: the trainer's base key (Dropout and other randomness); ``key(0)`` if None.
+        **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
+            ``memory_limit``, ``has_aux``, ...).
+
+    Example:
+        >>> import numpy as np, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> trainer = NnxTrainer(model, optax.sgd(0.1), target_batch_size=8,
+        ...                      micro_batch_size=3)
+        >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+        >>> before = np.asarray(model.kernel[...])
+        >>> metrics = trainer.step(batch)
+        >>> trainer.trainer.accumulation_steps, bool((model.kernel[...] != before).any())
+        (3, True)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        *,
+        target_batch_size: int,
+        loss_fn: Callable[..., Any] | None = None,
+        ghost_batch_size: int | None = None,
+        rng: jax.Array | None = None,
+        **trainer_kwargs: Any,
+    ):
+        self.model = model
+        self.has_state = bool(nnx.state(model, nnx.BatchStat))
+        if loss_fn is None:
+            loss_fn = nnx_classifier_loss(
+                model,
+                mutable=nnx.BatchStat if self.has_state else None,
+                ghost_batch_size=ghost_batch_size,
+            )
+            trainer_kwargs.setdefault("has_aux", True)
+        if ghost_batch_size is not None:
+            trainer_kwargs.setdefault("multiple_of", ghost_batch_size)
+        self.trainer = AdaptiveTrainer(
+            loss_fn,
+            optimizer,
+            target_batch_size=target_batch_size,
+            has_state=self.has_state,
+            **trainer_kwargs,
+        )
+        self.rng = jax.random.key(0) if rng is None else rng
+        self.state: TrainState | None = None
+
+    def init(self, example_batch: Batch) -> TrainState:
+        """Plans the micro-batch size from the module's current values; returns the state.
+
+        Example:
+            >>> import numpy as np, optax
+            >>> from flax import nnx
+            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+            ...                      target_batch_size=8, micro_batch_size=4)
+            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+            >>> int(trainer.init(batch).updates)
+            0
+        """
+        self.state = self.trainer.init(
+            nnx.state(self.model, nnx.Param),
+            example_batch,
+            rng=self.rng,
+            model_state=nnx.state(self.model, nnx.BatchStat) if self.has_state else (),
+        )
+        return self.state
+
+    def step(self, batch: Batch, *, weights: Any = None) -> dict[str, Any]:
+        """Runs one exact update on ``target_batch_size`` examples and updates the module.
+
+        Returns:
+            The update's metrics (`AdaptiveTrainer.step`).
+
+        Example:
+            >>> import numpy as np, optax
+            >>> from flax import nnx
+            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+            ...                      target_batch_size=8, micro_batch_size=4)
+            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+            >>> int(trainer.step(batch)["examples"])
+            8
+        """
+        if self.state is None:
+            self.init(batch)
+        self.state, metrics = self.trainer.step(self.state, batch, weights=weights)
+        # The module holds the new state's arrays: a later update may donate them, and
+        # this line then replaces them before anyone reads the module again.
+        if self.has_state:
+            nnx.update(self.model, self.state.params, self.state.model_state)
+        else:
+            nnx.update(self.model, self.state.params)
+        return metrics

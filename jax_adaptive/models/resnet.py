@@ -60,7 +60,8 @@ class ResNet(nn.Module):
     size from 1 up works. Parameters are float32; ``dtype`` is the compute dtype (e.g.
     ``jnp.bfloat16``); the logits are float32. BatchNorm uses the batch's statistics
     when ``train`` is true: apply with ``mutable=["batch_stats"]`` then (see
-    `linen_classifier_loss`).
+    `linen_classifier_loss`, whose ``ghost_batch_size`` computes them over fixed groups of
+    examples, so that training does not depend on the micro-batch size).
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -1,0 +1,273 @@
+"""Ghost batches: BatchNorm training that does not depend on the micro-batch size."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_trees_close
+
+import jax_adaptive as ja
+from jax_adaptive.models import NnxTrainer, ResNet, linen_classifier_loss
+
+T, G = 48, 8  # target batch, ghost batch
+MODEL = ResNet(stage_sizes=(1,), num_filters=4, num_classes=3)
+SGD = optax.sgd(0.1, momentum=0.9)
+
+
+def image_batches(num, n=T, side=8, channels=3):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "image": rng.normal(size=(n, side, side, channels)).astype(np.float32),
+            "label": rng.integers(0, 3, n).astype(np.int32),
+        }
+        for _ in range(num)
+    ]
+
+
+BATCHES = image_batches(3)
+
+
+@functools.cache
+def variables():
+    # an RBG key: XLA:CPU compiles a threefry initialisation of a ResNet slowly
+    return jax.jit(MODEL.init)(jax.random.key(0, impl="rbg"), BATCHES[0]["image"][:1])
+
+
+def cross_entropy(logits, labels):
+    """Independent of optax's loss: -log softmax at the label."""
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)[:, 0]
+
+
+@functools.cache
+def reference():
+    """Plain optax: groups of G in order, each a batch of the model's own BatchNorm."""
+    params, stats = variables()["params"], variables()["batch_stats"]
+    opt_state = SGD.init(params)
+
+    @jax.jit
+    def group_grad(params, stats, x, y):
+        def loss(p):
+            logits, new = MODEL.apply(
+                {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+            )
+            return jnp.sum(cross_entropy(logits, y)) / T, new["batch_stats"]
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    for batch in BATCHES:
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for start in range(0, T, G):
+            part = slice(start, start + G)
+            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
+            grads = jax.tree.map(jnp.add, grads, g)
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
+def train_linen(ghost_batch_size, **trainer_kwargs):
+    loss_fn = linen_classifier_loss(
+        MODEL, mutable=("batch_stats",), ghost_batch_size=ghost_batch_size
+    )
+    trainer = ja.AdaptiveTrainer(
+        loss_fn, SGD, target_batch_size=T, has_aux=True, has_state=True, **trainer_kwargs
+    )
+    state = trainer.init(
+        variables()["params"], BATCHES[0], model_state={"batch_stats": variables()["batch_stats"]}
+    )
+    for batch in BATCHES:
+        state, _ = trainer.step(state, batch)
+    return trainer, state
+
+
+# 8 and 24 divide T; 32 does not: its second micro-step has two groups of padding,
+# which must not move the running averages.
+@pytest.mark.parametrize("micro", [8, 24, 32])
+def test_ghost_batches_train_the_same_at_any_micro_batch_size(micro):
+    trainer, state = train_linen(G, micro_batch_size=micro, multiple_of=G)
+    assert trainer.micro_batch_size == micro
+    params, stats = reference()
+    assert_trees_close(state.model_state["batch_stats"], stats, 1e-5)
+    assert_trees_close(state.params, params, 1e-5)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), params, variables()["params"])
+    assert min(jax.tree.leaves(moved)) > 1e-4  # every parameter trained
+
+
+# ------------------------------------------------------------------ NNX
+
+
+class NnxBnNet(nnx.Module):
+    def __init__(self, *, rngs):
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+def vector_batches(num):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "image": rng.normal(size=(T, 4)).astype(np.float32),
+            "label": rng.integers(0, 3, T).astype(np.int32),
+        }
+        for _ in range(num)
+    ]
+
+
+def nnx_reference(model, batches):
+    """Plain optax on the NNX module: groups of G in order, BatchNorm state threaded."""
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    opt_state = SGD.init(params)
+
+    @jax.jit
+    def group_grad(params, stats, x, y):
+        def loss(p):
+            module = nnx.merge(graphdef, p, stats, copy=True)
+            module.train()
+            logits = module(x)
+            return jnp.sum(cross_entropy(logits, y)) / T, nnx.state(module, nnx.BatchStat)
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    for batch in batches:
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for start in range(0, T, G):
+            part = slice(start, start + G)
+            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
+            grads = jax.tree.map(jnp.add, grads, g)
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
+@pytest.mark.parametrize("micro", [8, 32])
+def test_nnx_module_trains_in_place_the_same_at_any_micro_batch_size(micro):
+    model, batches = NnxBnNet(rngs=nnx.Rngs(0)), vector_batches(3)
+    params, stats = nnx_reference(nnx.clone(model), batches)
+    trainer = NnxTrainer(
+        model, SGD, target_batch_size=T, ghost_batch_size=G, micro_batch_size=micro
+    )
+    for batch in batches:
+        trainer.step(batch)
+    assert trainer.trainer.micro_batch_size == micro
+    assert_trees_close(nnx.state(model, nnx.Param), params, 1e-5)
+    assert_trees_close(nnx.state(model, nnx.BatchStat), stats, 1e-5)
+
+
+def train_nnx(batches, **kwargs):
+    model = NnxBnNet(rngs=nnx.Rngs(0))
+    trainer = NnxTrainer(model, SGD, target_batch_size=T, **kwargs)
+    for batch in batches:
+        trainer.step(batch)
+    return trainer.trainer.micro_batch_size, model
+
+
+def test_two_memory_limits_give_two_plans_and_one_training():
+    batches = vector_batches(3)
+    # the limits: the ledgers of two multiples of G, as this machine measures them
+    probe = NnxTrainer(NnxBnNet(rngs=nnx.Rngs(0)), SGD, target_batch_size=T, ghost_batch_size=G)
+    probe.init(batches[0])
+    limits = [probe.trainer.ledger(size).total for size in (16, 24)]
+    plans = dict(
+        train_nnx(batches, ghost_batch_size=G, memory_limit=limit, plan_cache=False)
+        for limit in limits
+    )
+    assert sorted(plans) == [16, 24], sorted(plans)
+    a, b = plans.values()
+    assert_trees_close(nnx.state(a, nnx.Param), nnx.state(b, nnx.Param), 1e-5)
+    assert_trees_close(nnx.state(a, nnx.BatchStat), nnx.state(b, nnx.BatchStat), 1e-5)
+    expected = nnx_reference(NnxBnNet(rngs=nnx.Rngs(0)), batches)[1]
+    assert_trees_close(nnx.state(a, nnx.BatchStat), expected, 1e-5)
+
+
+def test_per_micro_batch_statistics_depend_on_the_plan():
+    """What ghost batches fix: without them, two micro-batch sizes train differently."""
+    batches = vector_batches(3)
+    (_, at_8), (_, at_24) = (train_nnx(batches, micro_batch_size=m) for m in (8, 24))
+    differ = jax.tree.map(
+        lambda a, b: np.abs(a - b).max(),
+        nnx.state(at_8, nnx.BatchStat),
+        nnx.state(at_24, nnx.BatchStat),
+    )
+    assert max(jax.tree.leaves(differ)) > 1e-3
+
+
+# ------------------------------------------------------------------ the wrapper itself
+
+
+def running_mean_loss(params, state, batch, rng):
+    """Per-example squared deviation from the group mean; the state a running mean."""
+    mean = jnp.mean(batch["x"])
+    return (batch["x"] - mean) ** 2 * params, {"mean": 0.5 * state["mean"] + 0.5 * mean}
+
+
+def test_groups_run_in_order_and_padding_groups_leave_the_state():
+    ghost = jax.jit(ja.ghost_batches(running_mean_loss, 2))
+    x = jnp.array([0.0, 2.0, 4.0, 4.0, 9.0, 9.0])
+    losses, state = ghost(1.0, {"mean": jnp.float32(0)}, {"x": x}, KEY, weights=jnp.ones(6))
+    expected = 0.0
+    for mean in (1.0, 4.0, 9.0):  # the groups' means, in order
+        expected = 0.5 * expected + 0.5 * mean
+    np.testing.assert_allclose(state["mean"], expected)
+    np.testing.assert_allclose(losses, [1, 1, 0, 0, 0, 0])
+    padded = jnp.array([1, 1, 1, 1, 0, 0.0])  # the last group is padding
+    _, state = ghost(1.0, {"mean": jnp.float32(0)}, {"x": x}, KEY, weights=padded)
+    np.testing.assert_allclose(state["mean"], 0.5 * (0.5 * 1.0) + 0.5 * 4.0)
+
+
+def test_a_micro_batch_must_be_whole_groups():
+    ghost = ja.ghost_batches(running_mean_loss, 4)
+    x = {"x": jnp.arange(6.0)}
+    with pytest.raises(ValueError, match=r"6 examples .* group_size=4.*multiple_of=4"):
+        ghost(1.0, {"mean": 0.0}, x, KEY, weights=jnp.ones(6))
+    losses, _ = ghost(1.0, {"mean": 0.0}, x, KEY)  # outside the trainer: a shorter last group
+    np.testing.assert_allclose(losses, [2.25, 0.25, 0.25, 2.25, 0.25, 0.25])
+    # smaller than a group (a device that cannot hold one): one group, padding masked
+    small = {"x": jnp.array([1.0, 3.0])}
+    losses, state = ghost(1.0, {"mean": 0.0}, small, KEY, weights=jnp.ones(2))
+    np.testing.assert_allclose(losses, [1.0, 1.0])
+    np.testing.assert_allclose(state["mean"], 1.0)
+    _, state = ghost(1.0, {"mean": 0.0}, small, KEY, weights=jnp.zeros(2))
+    np.testing.assert_allclose(state["mean"], 0.0)
+    with pytest.raises(ValueError, match="group_size=0"):
+        ja.ghost_batches(running_mean_loss, 0)
+
+
+def test_the_model_state_is_not_differentiated():
+    # d/dp of group 2's loss through group 1's state would be non-zero without the stop
+    def loss_fn(params, state, batch, rng):
+        return batch["x"] * params * state["s"], {"s": state["s"] + params}
+
+    ghost = ja.ghost_batches(loss_fn, 1)
+    grad = jax.grad(lambda p: jnp.sum(ghost(p, {"s": 1.0}, {"x": jnp.ones(2)}, KEY)[0]))
+    np.testing.assert_allclose(grad(1.0), 3.0)  # d/dp [p * 1 + p * stop(1 + p)] = 1 + (1 + p)
+
+
+KEY = jax.random.key(0)
+
+
+def test_the_trainer_passes_weights_to_a_loss_that_declares_them():
+    # T = 10 at micro-batch 4: three micro-steps, the last with two padding rows
+    # weights=None: the trainer also calls the loss without them, to learn its outputs
+    def loss_fn(params, state, batch, rng, *, weights=None):
+        seen = state["seen"] + (0 if weights is None else weights.sum())
+        return (batch["x"] * params) ** 2, {"seen": seen}
+
+    trainer = ja.AdaptiveTrainer(
+        loss_fn, optax.sgd(0.1), target_batch_size=10, micro_batch_size=4, has_state=True
+    )
+    batch = {"x": np.arange(10, dtype=np.float32)}
+    state = trainer.init(jnp.float32(1), batch, model_state={"seen": jnp.float32(0)})
+    weights = np.linspace(0.5, 1.5, 10).astype(np.float32)
+    state, _ = trainer.step(state, batch, weights=weights)
+    np.testing.assert_allclose(state.model_state["seen"], weights.sum(), rtol=1e-6)
+    state, _ = trainer.step(state, batch)
+    np.testing.assert_allclose(state.model_state["seen"], weights.sum() + 10, rtol=1e-6)
