@@ -1,0 +1,638 @@
+"""Evaluation and prediction at the largest batch that fits.
+
+An evaluation program holds no gradients, no accumulator and no optimizer update, so it
+fits a batch many times the training micro-batch, and an evaluation out-of-memory must
+not shrink training. `Evaluator` sizes its own program the way the planner sizes a
+micro-step, with the same parts:
+
+* the search (`jax_adaptive.search_max_size`, guided by a `jax_adaptive.MemoryModel`)
+  compiles candidate batch sizes ahead of time and decides each by its
+  `jax_adaptive.Ledger`: everything resident (the parameters and any other state the
+  caller names, read or not), the batch in flight with the program's outputs, and the
+  program's temporaries and code;
+* ``memory_limit`` is a device of that many bytes: a size whose ledger exceeds it raises
+  `jax_adaptive.SimulatedOutOfMemory`, through the path a real out-of-memory takes;
+* the plan cache (`jax_adaptive.PlanCache`) remembers the size under a key of its own
+  (``kind="evaluate"`` or ``"predict"``), never one of training's.
+
+Every batch has exactly the planned size: a stream of batches of any size is cut and
+joined in order, the last batch is padded with repeated real rows and the padding is
+masked out of every sum. Metrics are per-example values summed on the device, batch by
+batch, and divided by the number of real examples on the host (in float64), so the means
+are those of one full pass. An out-of-memory while a batch runs (only an out-of-memory:
+any other error propagates) shrinks the evaluation size and runs the same examples
+again; a batch's results count only once it has run, so nothing is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_adaptive.data import MicroBatch, leading_size, micro_batches
+from jax_adaptive.executables import Executable, FaultHook, example_structs
+from jax_adaptive.memory import (
+    Ledger,
+    MemoryModel,
+    device_bytes_in_use,
+    device_capacity,
+    memory_report,
+    tree_bytes,
+)
+from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
+from jax_adaptive.plan import SizeTrial, least_padding_size
+from jax_adaptive.plan_cache import PlanCache, plan_key
+from jax_adaptive.search import NothingFitsError, search_max_size
+
+__all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]
+
+log = logging.getLogger("jax_adaptive")
+
+MetricFn = Callable[[Any, Any], Any]
+"""``(params, batch) -> outputs`` with a leading axis of the batch's size: for
+`Evaluator.evaluate` a dict of per-example metrics, for `Evaluator.predict` any pytree."""
+
+STREAM_MAX_BATCH_SIZE = 16_384
+"""The largest evaluation batch considered for a stream that holds more examples
+(``max_batch_size`` changes it); a stream that ends sooner, or arrays, cap it at their
+number of examples."""
+
+_Mode = Literal["evaluate", "predict"]
+
+
+class _Examples:
+    """A dataset's examples, taken ``n`` at a time in order, the last batch padded.
+
+    Batches of the stream are read only as far as needed and joined only where a taken
+    batch crosses their boundary. Taking does not consume: `advance` does, once the
+    batch has run, so a batch that failed is taken again at another size.
+    """
+
+    def __init__(self, dataset: Any):
+        one = _is_one_batch(dataset)
+        self._batches: Iterator[Any] = iter(() if one else dataset)
+        self._pending: list[Any] = [dataset] if one else []
+        self.exhausted = one
+        self.buffered = leading_size(dataset, "the dataset") if one else 0
+        self._structure = jax.tree.structure(dataset) if one else None
+        self._start = 0  # rows of the first pending batch already evaluated
+
+    @property
+    def first(self) -> Any:
+        """The first pending batch (its leaves give an example's shape)."""
+        return self._pending[0]
+
+    def fill(self, n: int) -> int:
+        """Reads the stream until ``n`` examples are pending or it ends; returns how many are."""
+        while self.buffered < n and not self.exhausted:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self.exhausted = True
+                break
+            structure = jax.tree.structure(batch)
+            if self._structure is None:
+                self._structure = structure
+            elif structure != self._structure:
+                raise ValueError(
+                    f"a batch of the dataset has structure {structure}, the ones before it "
+                    f"{self._structure}."
+                )
+            size = leading_size(batch, "a batch of the dataset")
+            if size:
+                self._pending.append(batch)
+                self.buffered += size
+        return self.buffered
+
+    def take(self, n: int) -> MicroBatch | None:
+        """The next ``n`` examples (padded and masked at the end), or None when none are left."""
+        if not self.fill(n):
+            return None
+        if leading_size(self.first) - self._start < n and len(self._pending) > 1:
+            rest = [jax.tree.map(lambda x: np.asarray(x)[self._start :], self.first)]
+            joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rest, *self._pending[1:])
+            self._pending, self._start = [joined], 0
+        return next(micro_batches(self.first, n, start=self._start))
+
+    def advance(self, count: int) -> None:
+        """Marks the ``count`` examples taken last as evaluated."""
+        self._start += count
+        self.buffered -= count
+        if self._start == leading_size(self.first):
+            self._pending.pop(0)
+            self._start = 0
+
+
+def _is_one_batch(dataset: Any) -> bool:
+    """A dict, tuple or array is one batch of all the examples; a list or iterator, a stream."""
+    return isinstance(dataset, Mapping | tuple | np.ndarray | jax.Array)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+
+
+def _masked_sum(value: jax.Array, mask: jax.Array) -> jax.Array:
+    """The sum over the real rows (``where``, not a product: a padding row's NaN stays out)."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
+    else:
+        value = value.astype(jnp.int32)  # exact counts, e.g. of correct predictions
+    kept = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, 0)
+    return jnp.sum(kept, axis=0)
+
+
+class _Binding:
+    """What one program (a mode, parameter and example shapes) has compiled and measured."""
+
+    def __init__(self, key: Any, params: Any, example: Any, resident_bytes: int):
+        self.key, self.params, self.example = key, params, example
+        self.resident_bytes = resident_bytes
+        self.programs: dict[int, Executable] = {}
+        self.reports: dict[int, dict[str, int]] = {}
+        self.plans: dict[int, int] = {}  # the largest size that fits, per upper bound
+        self.memory_model = MemoryModel()
+        self.fingerprint: str | None = None
+
+
+class Evaluator:
+    """Runs a per-example function over a dataset at the largest batch whose program fits.
+
+    Args:
+        metric_fn: ``(params, batch) -> outputs``, each with a leading axis of the
+            batch's size: a dict of per-example metrics (any numeric dtype, any trailing
+            shape) for `evaluate`, any pytree for `predict`. It sees padded batches of
+            exactly the planned size; padding rows repeat real ones and are masked.
+        memory_limit: bytes: a device of that size, which must hold the evaluation's
+            whole ledger (the resident arrays, the batch in flight, the program). On a
+            CPU it simulates that device, exactly as `jax_adaptive.AdaptiveTrainer`'s.
+        headroom: the share of a device's real capacity (``memory_stats()``) left unused;
+            never applied to ``memory_limit``.
+        multiple_of: search only multiples of this; a smaller size only when none fits.
+        max_batch_size: the largest batch considered; None for the dataset's number of
+            examples (arrays, or a stream that ends within `STREAM_MAX_BATCH_SIZE`),
+            else `STREAM_MAX_BATCH_SIZE`.
+        plan_cache: where the size found is remembered, under a key of its own: None for
+            the default file, False for none, a path or a `jax_adaptive.PlanCache`.
+        oom_retries: real out-of-memory errors in a row retried at batch size 1 before
+            giving up.
+        device: the device to evaluate on (the first local device by default).
+        progress: show a progress bar of the examples evaluated (off by default).
+
+    Attributes:
+        search_log: every size decided, as `jax_adaptive.SizeTrial` (the reason
+            ``"evaluate"``, ``"predict"`` or the out-of-memory that shrank it).
+        compiles: evaluation programs compiled so far (one per size measured).
+        batch_size: the batch size of the last run (None before one).
+        largest: the largest size found to fit in the last run (None before one).
+        fault_hook: called before each compile and each batch that runs, like the
+            trainer's (`jax_adaptive.testing.inject_oom` installs one), or None.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
+        >>> metric_fn = lambda w, b: {"error": (b["x"] @ w - b["y"]) ** 2}
+        >>> data = {"x": np.ones((10, 3), np.float32), "y": np.arange(10, dtype=np.float32)}
+        >>> evaluator = ja.Evaluator(metric_fn, max_batch_size=4, plan_cache=False)
+        >>> metrics = evaluator.evaluate(jnp.ones(3), data)
+        >>> metrics["error"], metrics["examples"], evaluator.batch_size  # 3 batches of 4
+        (10.5, 10, 4)
+    """
+
+    def __init__(
+        self,
+        metric_fn: MetricFn,
+        *,
+        memory_limit: int | None = None,
+        headroom: float = 0.05,
+        multiple_of: int = 1,
+        max_batch_size: int | None = None,
+        plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
+        oom_retries: int = 3,
+        device: jax.Device | None = None,
+        progress: bool = False,
+    ):
+        if not callable(metric_fn):
+            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
+        for name, value in (("memory_limit", memory_limit), ("max_batch_size", max_batch_size)):
+            if value is not None:
+                _check_positive(name, value)
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"{headroom=} must be in [0, 1).")
+        self.metric_fn = metric_fn
+        self.memory_limit, self.headroom = memory_limit, headroom
+        self.multiple_of = _check_positive("multiple_of", multiple_of)
+        self.max_batch_size, self.oom_retries = max_batch_size, oom_retries
+        self.plan_cache = PlanCache.from_arg(plan_cache)
+        self.device = device or jax.local_devices()[0]
+        self.progress = progress
+        self.search_log: list[SizeTrial] = []
+        self.compiles = 0
+        self.batch_size: int | None = None
+        self.largest: int | None = None
+        self.fault_hook: FaultHook | None = None
+        self._bindings: dict[_Mode, _Binding] = {}
+        self._bound: _Binding | None = None
+        self._mode: _Mode = "evaluate"
+        self._hi = 0  # the upper bound of the current run's sizes
+        self._others = 0  # bytes other live arrays held on the device at the last plan
+        self._learned_cap: int | None = None  # below the peaks that really failed
+
+    # ------------------------------------------------------------ running
+
+    def evaluate(self, params: Any, dataset: Any, *, resident: Any = None) -> dict[str, Any]:
+        """The mean of each per-example metric over every example of ``dataset``.
+
+        Args:
+            params: the first argument of ``metric_fn`` (any pytree: parameters,
+                ``{"params": ..., "batch_stats": ...}``, a whole train state).
+            dataset: one batch of all the examples (a dict, tuple or array with a
+                leading example axis, NumPy or jax) or a stream of batches of any
+                sizes (a list or any other iterable), read once, in order.
+            resident: other arrays live on the device while evaluation runs, counted
+                in the ledger but not passed (the train state during training); arrays
+                also in ``params`` count once.
+
+        Returns:
+            ``{name: mean}`` for each metric (a float, or an array for a metric with
+            trailing axes) and ``examples``, the number of examples.
+
+        Raises:
+            NothingFitsError: when even a batch of 1 does not fit.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
+            >>> evaluator = ja.Evaluator(lambda p, b: {"hit": b == p}, plan_cache=False)
+            >>> stream = [np.array([0, 1, 1]), np.array([1, 2])]  # a stream of 5 examples
+            >>> evaluator.evaluate(jnp.int32(1), stream)
+            {'hit': 0.6, 'examples': 5}
+        """
+        sums, count = self._run("evaluate", params, dataset, resident)
+        means = {name: _host_value(total / count) for name, total in sums.items()}
+        return {**means, "examples": count}
+
+    def predict(self, params: Any, dataset: Any, *, resident: Any = None) -> Any:
+        """``metric_fn``'s outputs for every example of ``dataset``, padding removed, on the host.
+
+        Args:
+            params: as in `evaluate`.
+            dataset: as in `evaluate`.
+            resident: as in `evaluate`.
+
+        Returns:
+            The outputs' pytree, each leaf the NumPy concatenation over all examples.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
+            >>> evaluator = ja.Evaluator(lambda w, x: x @ w, max_batch_size=2, plan_cache=False)
+            >>> evaluator.predict(jnp.ones(2), np.arange(10.0, dtype=np.float32).reshape(5, 2))
+            array([ 1.,  5.,  9., 13., 17.], dtype=float32)
+        """
+        pieces, _ = self._run("predict", params, dataset, resident)
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
+
+    def _run(self, mode: _Mode, params: Any, dataset: Any, resident: Any) -> tuple[Any, int]:
+        from tqdm.auto import tqdm
+
+        examples = _Examples(dataset)
+        reach = self.max_batch_size or STREAM_MAX_BATCH_SIZE
+        if not examples.fill(reach):
+            raise ValueError("the dataset has no examples.")
+        hi = reach if not examples.exhausted else examples.buffered
+        if self.max_batch_size is not None:
+            hi = min(hi, self.max_batch_size)
+        params = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, self.device), params
+        )
+        self._bind(mode, params, examples.first, resident)
+        self._hi = hi
+        self.largest = self._plan(hi)
+        size = self._take_size(self._trimmed(self.largest, examples))
+        sums: dict[str, np.ndarray] = {}
+        pieces: list[Any] = []
+        count = streak = 0
+        total = examples.buffered if examples.exhausted else None
+        with tqdm(total=total, disable=not self.progress, unit="example", leave=False) as bar:
+            while (piece := examples.take(size)) is not None:
+                out, error = catch_oom(lambda p=piece, s=size: self._execute(s, params, p))
+                if error is not None:
+                    streak += 1
+                    size = self._take_size(self._shrink(error, size, streak, examples))
+                    continue
+                streak = 0
+                real = int(piece.mask.sum())
+                examples.advance(real)
+                count += real
+                if mode == "evaluate":
+                    for name, value in out.items():
+                        sums[name] = sums.get(name, 0.0) + np.asarray(value, np.float64)
+                else:  # the mask marks a prefix: the padding is the tail
+                    pieces.append(jax.tree.map(lambda x, n=real: np.asarray(x)[:n], out))
+                bar.set_postfix(batch=size)
+                bar.update(real)
+        return (sums if mode == "evaluate" else pieces), count
+
+    def _execute(self, size: int, params: Any, piece: MicroBatch) -> Any:
+        """Runs one batch and brings its outputs to the host; an out-of-memory raises here."""
+        self._check(size)
+        compiled = self._program(size).compiled
+        if self.fault_hook is not None:
+            self.fault_hook.before_execution(size, ())
+        out = compiled(params, piece.batch, piece.mask)
+        # A failed run raises when waited for; reading its buffers first may abort XLA:CPU.
+        jax.block_until_ready(out)
+        return jax.device_get(out)
+
+    # ------------------------------------------------------------ the program
+
+    def _bind(self, mode: _Mode, params: Any, batch: Any, resident: Any) -> None:
+        """Takes the binding of this mode and these shapes (a new one if they changed)."""
+        structs = jax.tree.map(_struct, params), example_structs(batch)
+        leaves = {id(x): x for x in jax.tree.leaves((params, resident))}  # each array once
+        resident_bytes = tree_bytes(list(leaves.values()))
+        key = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)), resident_bytes)
+        bound = self._bindings.get(mode)
+        if bound is None or bound.key != key:
+            bound = self._bindings[mode] = _Binding(key, *structs, resident_bytes)
+        self._bound, self._mode = bound, mode
+
+    def _function(self, params: Any, batch: Any, mask: jax.Array) -> Any:
+        size = mask.shape[0]
+        with jax.named_scope(f"{self._mode}_batch_{size}"):
+            out = self.metric_fn(params, batch)
+        if self._mode == "evaluate" and not isinstance(out, Mapping):
+            raise TypeError(
+                f"metric_fn must return a dict of per-example metrics, got {type(out).__name__}."
+            )
+        if self._mode == "evaluate" and "examples" in out:
+            raise ValueError("metric_fn returned a metric named 'examples', a name reserved.")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            if np.shape(leaf)[:1] != (size,):
+                raise ValueError(
+                    f"metric_fn's output{jax.tree_util.keystr(path)} must be per-example, with "
+                    f"a leading axis of {size} for a batch of {size}; got shape {np.shape(leaf)}."
+                )
+        if self._mode == "predict":
+            return out
+        return {name: _masked_sum(value, mask) for name, value in out.items()}
+
+    def _structs(self, size: int) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        batch = jax.tree.map(
+            # A float64 host array runs as float32 unless x64 is on: count what the device holds.
+            lambda x: jax.ShapeDtypeStruct(
+                (size, *x.shape), jax.dtypes.canonicalize_dtype(x.dtype), sharding=sharding
+            ),
+            self._bound.example,
+        )
+        return (
+            self._bound.params,
+            batch,
+            jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=sharding),
+        )
+
+    def _program(self, size: int) -> Executable:
+        """The compiled program for batches of ``size``, compiled once while in use."""
+        bound = self._bound
+        if size not in bound.programs:
+            lowered = jax.jit(self._function).lower(*self._structs(size))
+            start = time.perf_counter()
+            if self.fault_hook is not None:
+                self.fault_hook.before_compile(size)
+            compiled = lowered.compile()
+            self.compiles += 1
+            executable = Executable(compiled, memory_report(compiled), time.perf_counter() - start)
+            bound.programs[size] = executable
+            bound.reports[size] = executable.report
+        return bound.programs[size]
+
+    def ledger(self, size: int) -> Ledger:
+        """Everything live on the device while a batch of ``size`` runs, by part.
+
+        For the last dataset's program (`evaluate` or `predict`): the resident arrays,
+        the batch and its mask with the program's outputs, the program's temporaries
+        and code. Each size is compiled and measured once; its measure is kept.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
+            >>> evaluator = ja.Evaluator(lambda w, x: {"y": x @ w}, plan_cache=False)
+            >>> _ = evaluator.evaluate(jnp.ones(256), np.ones((8, 256), np.float32))
+            >>> ledger = evaluator.ledger(8)
+            >>> ledger.state, ledger.in_flight >= 8 * 256 * 4  # the params; the batch
+            (1024, True)
+        """
+        if self._bound is None:
+            raise RuntimeError("run evaluate or predict on a dataset first.")
+        if size not in self._bound.reports:
+            self._program(size)
+        report = self._bound.reports[size]
+        _, batch, mask = self._structs(size)
+        ledger = Ledger(
+            state=self._bound.resident_bytes,
+            in_flight=tree_bytes((batch, mask)) + report["output"] - report["alias"],
+            program=report["temp"] + report["code"],
+        )
+        self._bound.memory_model.add(size, ledger.total)
+        return ledger
+
+    # ------------------------------------------------------------ the plan
+
+    def capacity(self) -> int | None:
+        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
+
+        The smaller of ``memory_limit`` and, where the device says (a GPU), its capacity
+        less ``headroom`` less what other live arrays held when the plan was made.
+
+        Example:
+            >>> import jax_adaptive as ja
+            >>> ja.Evaluator(lambda p, b: b, memory_limit=10**6).capacity()
+            1000000
+        """
+        caps = [] if self.memory_limit is None else [self.memory_limit]
+        device_bytes = device_capacity(self.device)
+        if device_bytes is not None:
+            caps.append(int(device_bytes * (1.0 - self.headroom)) - self._others)
+        return min(caps) if caps else None
+
+    def _guide_capacity(self) -> int | None:
+        caps = (self.capacity(), self._learned_cap)
+        return min([c for c in caps if c is not None], default=None)
+
+    def _check(self, size: int) -> None:
+        """Raises the simulated out-of-memory when the ledger exceeds the capacity."""
+        capacity, needed = self.capacity(), self.ledger(size).total
+        if capacity is not None and needed > capacity:
+            raise SimulatedOutOfMemory(needed, capacity, what=f"{self._mode} batch of {size}")
+
+    def _plan(self, hi: int) -> int:
+        """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
+        bound = self._bound
+        if hi in bound.plans:
+            return bound.plans[hi]
+        in_use = device_bytes_in_use(self.device)
+        if in_use is not None:
+            self._others = max(0, in_use - bound.resident_bytes)
+        largest = self._cached_plan(hi)
+        if largest is None:
+            largest = self._search(hi, reason=self._mode)
+        self._use(hi, largest)
+        return largest
+
+    def _take_size(self, size: int) -> int:
+        """Runs batches of ``size`` from now on; frees other sizes' programs (not their reports)."""
+        programs = self._bound.programs
+        for other in [s for s in programs if s != size]:
+            del programs[other]
+        self.batch_size = size
+        return size
+
+    def _use(self, hi: int, largest: int) -> None:
+        """Keeps ``largest`` as the plan under ``hi``, here and in the plan cache."""
+        bound = self._bound
+        bound.plans[hi] = largest
+        if self.plan_cache is not None:
+            self.plan_cache.put(
+                self._key(hi),
+                {
+                    "micro_batch_size": largest,
+                    "estimated_bytes": bound.memory_model.points.get(largest),
+                    "capacity": self.capacity(),
+                },
+            )
+
+    def _trimmed(self, largest: int, examples: _Examples) -> int:
+        """The size with the fewest batches and the least padding, when the rest is known."""
+        if not examples.exhausted:
+            return largest
+        return least_padding_size(examples.buffered, largest, self.multiple_of)
+
+    def _key(self, hi: int) -> str:
+        bound = self._bound
+        if bound.fingerprint is None:
+            text = jax.jit(self._function).lower(*self._structs(1)).as_text()
+            bound.fingerprint = hashlib.sha256(text.encode()).hexdigest()
+        return plan_key(
+            kind=self._mode,
+            platform=self.device.platform,
+            device_kind=self.device.device_kind,
+            device_capacity=device_capacity(self.device),
+            memory_limit=self.memory_limit,
+            headroom=self.headroom,
+            multiple_of=self.multiple_of,
+            max_batch_size=hi,
+            resident_bytes=bound.resident_bytes,
+            example=str(bound.example),
+            program=bound.fingerprint,
+            jax=jax.__version__,
+        )
+
+    def _cached_plan(self, hi: int) -> int | None:
+        if self.plan_cache is None:
+            return None
+        start = time.perf_counter()
+        entry = self.plan_cache.plan(self._key(hi), hi)
+        if entry is None:
+            return None
+        size = entry["micro_batch_size"]
+        seconds = time.perf_counter() - start
+        self._log(size, True, entry.get("estimated_bytes"), seconds, "plan cache", self._mode)
+        return size
+
+    def _fits(self, size: int, reason: str) -> bool:
+        """Decides one size: compiles it (once ever), compares its ledger, logs it."""
+        start = time.perf_counter()
+        measured = size in self._bound.reports
+        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
+        decided = "compile" if ledger is None else "cache" if measured else "estimate"
+        if ledger is not None:
+            _, error = catch_oom(lambda: self._check(size))
+            if error is None and self._learned_cap is not None and ledger.total > self._learned_cap:
+                decided, error = "learned", "above the learned capacity"
+        self._log(size, error is None, ledger, time.perf_counter() - start, decided, reason)
+        return error is None
+
+    def _search(self, hi: int, reason: str) -> int:
+        """The largest size in ``[1, hi]`` whose ledger fits, multiples of ``multiple_of`` first."""
+        capacity = self._guide_capacity()
+        model = self._bound.memory_model
+        propose = model.propose(capacity) if capacity is not None else None
+        multiple = self.multiple_of if hi >= self.multiple_of else 1
+
+        def fits(size: int) -> bool:
+            return self._fits(size, reason)
+
+        try:
+            try:
+                return search_max_size(fits, hi=hi, multiple_of=multiple, propose=propose).size
+            except NothingFitsError:
+                if multiple == 1:
+                    raise
+                return search_max_size(fits, hi=multiple - 1, propose=propose).size
+        except NothingFitsError as exc:
+            needed = model.points.get(exc.smallest)
+            raise NothingFitsError(
+                exc.smallest,
+                exc.trials,
+                detail=f"an evaluation batch of {exc.smallest} needs "
+                f"{f'{needed:,}' if needed is not None else '?'} bytes (estimate) and "
+                f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
+            ) from None
+
+    def _shrink(self, exc: BaseException, size: int, streak: int, examples: _Examples) -> int:
+        """The size to run the same examples at after ``size`` ran out of memory.
+
+        A real out-of-memory teaches a capacity below the failed size's peak (less
+        ``headroom`` the first time, half of it after another failure in a row), as the
+        trainer's planner does; a simulated one is the ledger's own verdict.
+        """
+        real = not isinstance(exc, SimulatedOutOfMemory)
+        peak = self._bound.memory_model.points.get(size)
+        self._log(size, False, peak, 0.0, "run" if real else "estimate", self._mode)
+        log.warning("%s batch %d ran out of memory (%s)", self._mode, size, exc)
+        if real and peak is not None:
+            cap = min(int(peak * (1.0 - self.headroom)), peak - 1) if streak == 1 else peak // 2
+            self._learned_cap = min(cap, self._learned_cap or cap)
+        try:
+            if size == 1:
+                raise NothingFitsError(1, [], detail=f"a {self._mode} batch of 1 ran out of memory")
+            largest = self._search(size - 1, reason=f"out of memory at size {size}")
+        except NothingFitsError:
+            if not real or streak > self.oom_retries:
+                raise
+            largest = 1  # a real out-of-memory can pass (another job's peak): retry
+        self.largest = largest
+        self._use(self._hi, largest)
+        return self._trimmed(largest, examples)
+
+    def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
+        parts = (
+            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
+        )
+        total = ledger.total if isinstance(ledger, Ledger) else ledger
+        self.search_log.append(SizeTrial(size, fits, total, seconds, decided_by, reason, *parts))
+        log.info(
+            "evaluation batch %d %s (%s, %s bytes)",
+            size,
+            "fits" if fits else "does not fit",
+            decided_by,
+            f"{total:,}" if total is not None else "?",
+        )
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive.")
+    return int(value)
+
+
+def _host_value(value: np.ndarray) -> Any:
+    return float(value) if np.ndim(value) == 0 else value
