@@ -301,7 +301,8 @@ def child_search(smoke: bool, size: int | None) -> dict[str, Any]:
 
     target = SEARCH["smoke" if smoke else "gpu"]["target"]
     loss_fn, params, batch = _position_mlp(smoke, target)
-    kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False}
+    # objective="max": the plan is the largest size that fits, what is checked here.
+    kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False, "objective": "max"}
     probe = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), micro_batch_size=1, **kwargs)
     probe.init(params, batch)
     # The trainer compares each size's ledger (the whole train state too) with the
@@ -422,7 +423,8 @@ def child_adam_ledger(smoke: bool, size: int | None) -> dict[str, Any]:
 
     target = ADAM["smoke" if smoke else "gpu"]["target"]
     loss_fn, params, batch = _embedding_classifier(smoke)
-    kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False}
+    # objective="max": the plan is the largest size that fits, what is checked here.
+    kwargs = {"target_batch_size": target, "has_aux": True, "plan_cache": False, "objective": "max"}
     limit = None
     if smoke:  # a CPU gives no capacity: a limit between the ledgers of T/2 and T/2 + 1
         probe = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), micro_batch_size=1, **kwargs)

@@ -91,7 +91,8 @@ def build(name: str, target: int) -> Setup:
     raise ValueError(f"unknown model {name!r}")
 
 
-def trainer_for(setup: Setup, limit: int | None) -> ja.AdaptiveTrainer:
+def trainer_for(setup: Setup, limit: int | None, objective: str = "max") -> ja.AdaptiveTrainer:
+    """A trainer for the setup; ``objective="max"``: the search's answer is the plan."""
     return ja.AdaptiveTrainer(
         setup.loss_fn,
         optax.adam(1e-3),
@@ -100,6 +101,7 @@ def trainer_for(setup: Setup, limit: int | None) -> ja.AdaptiveTrainer:
         memory_limit=limit,
         has_aux=setup.has_aux,
         has_state=setup.has_state,
+        objective=objective,
     )
 
 

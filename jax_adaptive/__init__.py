@@ -7,6 +7,7 @@ Example:
 """
 
 from jax_adaptive import testing
+from jax_adaptive.adaptive_step import AdaptiveStep
 from jax_adaptive.buckets import (
     Bucket,
     BucketBatch,
@@ -26,6 +27,9 @@ from jax_adaptive.data import (
     synthetic_sequences,
 )
 from jax_adaptive.distributed import data_mesh, place, process_any, process_min
+from jax_adaptive.evaluate import Evaluator
+from jax_adaptive.ghost import ghost_batches
+from jax_adaptive.loop import FitError
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
@@ -35,9 +39,10 @@ from jax_adaptive.memory import (
     memory_report,
     tree_bytes,
 )
+from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad, micro_batch_sum
 from jax_adaptive.oom import HostOutOfMemory, PeerOutOfMemory, SimulatedOutOfMemory, is_oom
+from jax_adaptive.plan import Plan, chunk_length, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, enable_compilation_cache, plan_key
-from jax_adaptive.planner import Plan
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
 from jax_adaptive.trainer import (
@@ -48,14 +53,18 @@ from jax_adaptive.trainer import (
 )
 
 __all__ = [
+    "AdaptiveStep",
     "AdaptiveTrainer",
     "Bucket",
     "BucketBatch",
     "BucketedTrainer",
+    "Evaluator",
+    "FitError",
     "HostOutOfMemory",
     "Ledger",
     "MemoryModel",
     "MicroBatch",
+    "MicroBatchGrad",
     "NothingFitsError",
     "OptimizerStepOutOfMemory",
     "PeerOutOfMemory",
@@ -70,16 +79,21 @@ __all__ = [
     "TrainState",
     "bucket_batches",
     "bucket_for",
+    "chunk_length",
     "data_mesh",
     "device_bytes_in_use",
     "device_capacity",
     "enable_compilation_cache",
     "estimate_peak_bytes",
+    "ghost_batches",
     "is_oom",
     "leading_size",
+    "least_padding_size",
     "make_micro_step",
     "make_optimizer_step",
     "memory_report",
+    "micro_batch_grad",
+    "micro_batch_sum",
     "micro_batches",
     "multi_steps",
     "pad_to_bucket",

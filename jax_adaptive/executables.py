@@ -33,6 +33,7 @@ from jax_adaptive.step import (
     _check_per_example,
     make_micro_step,
     make_optimizer_step,
+    scan_micro_steps,
 )
 
 __all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs"]
@@ -115,11 +116,17 @@ class Executables:
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
         data: the micro-batch's sharding over the data axis, or None on one device.
-        in_flight: how many micro-steps the update dispatches ahead at most.
+        in_flight: how many programs the update dispatches ahead at most.
+
+    A *chunk* of ``c`` micro-steps of one size runs as one program (`scan_micro_steps`):
+    ``micro(size, chunk=c)`` takes ``c * size`` examples. Chunk 1 is the plain micro-step
+    the search compiles.
 
     Attributes:
-        compiles: micro-step compiles so far.
+        compiles: micro-step compiles so far (chunks of one; what a search costs).
+        chunk_compiles: compiles of chunks of several micro-steps.
         trace_counts: traces of the micro-step per size (one each, never a retrace).
+        chunk_trace_counts: traces of the micro-step inside chunks, per size (one each).
         fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
         generation: how many shapes it was bound to; what was learned of a size under
             another generation (its peak, that it ran) says nothing of it now.
@@ -153,25 +160,30 @@ class Executables:
         self.target_batch_size = target_batch_size
         self.has_aux, self.has_state = has_aux, has_state
         self.everywhere, self.data, self.in_flight = everywhere, data, in_flight
-        self.compiles = 0
+        self.compiles = self.chunk_compiles = 0
         self.trace_counts: Counter[int] = Counter()
         self.fault_hook: FaultHook | None = None
         self.generation = 0  # bumped by each bind to a new shape: measures of old ones are void
-        self._micro_fn = make_micro_step(
-            loss_fn,
-            optimizer,
-            target_batch_size,
-            has_aux=has_aux,
-            has_state=has_state,
-            on_trace=lambda size: self.trace_counts.update([size]),
+        self.chunk_trace_counts: Counter[int] = Counter()
+        self._micro_fn, self._chunk_fn = (
+            make_micro_step(
+                loss_fn,
+                optimizer,
+                target_batch_size,
+                has_aux=has_aux,
+                has_state=has_state,
+                on_trace=lambda size, counts=counts: counts.update([size]),
+            )
+            for counts in (self.trace_counts, self.chunk_trace_counts)
         )
         self._bound: tuple[Any, Any] | None = None
         self._clear()
 
     def _clear(self) -> None:
-        self._compiled: dict[int, Executable] = {}
-        self._lowered: dict[int, Any] = {}
-        self._reports: dict[int, dict[str, int]] = {}
+        # Keyed by (size, chunk).
+        self._compiled: dict[tuple[int, int], Executable] = {}
+        self._lowered: dict[tuple[int, int], Any] = {}
+        self._reports: dict[tuple[int, int], dict[str, int]] = {}
         self._optimizer: dict[bool, Executable] = {}
         self._fingerprint: str | None = None
 
@@ -193,16 +205,13 @@ class Executables:
         self.generation += 1
         self.state_structs, self.example = structs
         self.totals_struct = self._totals_for(state)
-        outs = _shardings(
-            (
-                self.state_structs.opt_state.acc_grads,
-                self.state_structs.opt_state.mini_step,
-                self.state_structs.model_state,
-                self.totals_struct,
-            )
-        )
+        s = self.state_structs
         # The outputs keep the inputs' shardings, call after call.
-        self._micro_jit = jax.jit(self._micro_fn, donate_argnames=DONATED, out_shardings=outs)
+        self._outs = _shardings(
+            (s.opt_state.acc_grads, s.opt_state.mini_step, s.model_state, self.totals_struct)
+        )
+        self._micro_jit = self._jit_of(self._micro_fn)
+        self._chunk_jit: dict[int, Any] = {}  # per size: its micro-steps scanned in one program
         self._clear()
         return True
 
@@ -229,10 +238,10 @@ class Executables:
 
     # ------------------------------------------------------------ the micro-step
 
-    def micro_structs(self, size: int) -> MicroArgs:
-        """The micro-step's arguments for ``size`` as ``ShapeDtypeStruct``s."""
+    def micro_structs(self, size: int, chunk: int = 1) -> MicroArgs:
+        """The arguments of a chunk of micro-steps of ``size`` as ``ShapeDtypeStruct``s."""
         self._require_bound()
-        s, data = self.state_structs, self.data
+        s, data, rows = self.state_structs, self.data, size * chunk
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         return MicroArgs(
             params=s.params,
@@ -241,54 +250,67 @@ class Executables:
             model_state=s.model_state,
             totals=self.totals_struct,
             batch=jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype, sharding=data),
+                lambda x: jax.ShapeDtypeStruct((rows, *x.shape), x.dtype, sharding=data),
                 self.example,
             ),
-            weights=jax.ShapeDtypeStruct((size,), jnp.float32, sharding=data),
+            weights=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=data),
             rng=s.rng,
             offset=i32,
             k=i32,
         )
 
-    def lower(self, size: int) -> Any:
-        """Traces the micro-step for ``size`` (the user's loss runs here, errors and all)."""
-        size = self._check_size(size)
-        if size not in self._lowered:
-            self._lowered[size] = self._micro_jit.lower(*self.micro_structs(size))
-        return self._lowered[size]
+    def lower(self, size: int, chunk: int = 1) -> Any:
+        """Traces the program for ``size`` (the user's loss runs here, errors and all)."""
+        key = self._check_size(size), self._check_chunk(size, chunk)
+        if key not in self._lowered:
+            self._lowered[key] = self._jit(*key).lower(*self.micro_structs(*key))
+        return self._lowered[key]
 
-    def micro(self, size: int) -> Executable:
-        """The compiled micro-step for ``size``, compiling it once while it is in use."""
-        size = self._check_size(size)
-        if size not in self._compiled:
-            lowered = self.lower(size)
+    def _jit_of(self, fn: Any) -> Any:
+        return jax.jit(fn, donate_argnames=DONATED, out_shardings=self._outs)
+
+    def _jit(self, size: int, chunk: int) -> Any:
+        if chunk == 1:
+            return self._micro_jit
+        if size not in self._chunk_jit:
+            self._chunk_jit[size] = self._jit_of(scan_micro_steps(self._chunk_fn, size))
+        return self._chunk_jit[size]
+
+    def micro(self, size: int, chunk: int = 1) -> Executable:
+        """The compiled program for ``chunk`` micro-steps of ``size``, compiled once in use."""
+        key = self._check_size(size), self._check_chunk(size, chunk)
+        if key not in self._compiled:
+            lowered = self.lower(*key)
             start = time.perf_counter()
             if self.fault_hook is not None:
                 self.fault_hook.before_compile(size)
             compiled = lowered.compile()
-            del self._lowered[size]
-            self.compiles += 1
+            del self._lowered[key]
+            if chunk == 1:
+                self.compiles += 1
+            else:
+                self.chunk_compiles += 1
             executable = Executable(compiled, memory_report(compiled), time.perf_counter() - start)
-            self._compiled[size] = executable
-            self._reports[size] = executable.report
-        return self._compiled[size]
+            self._compiled[key] = executable
+            self._reports[key] = executable.report
+        return self._compiled[key]
 
-    def report(self, size: int) -> dict[str, int]:
-        """XLA's memory analysis of the micro-step for ``size`` (compiled once, ever)."""
-        if size not in self._reports:
-            self.micro(size)
-        return self._reports[size]
+    def report(self, size: int, chunk: int = 1) -> dict[str, int]:
+        """XLA's memory analysis of the program for ``size`` (compiled once, ever)."""
+        if (size, chunk) not in self._reports:
+            self.micro(size, chunk)
+        return self._reports[size, chunk]
 
-    def ledger(self, size: int) -> Ledger:
-        """Everything live on a device while micro-steps of ``size`` run (see `Ledger`).
+    def ledger(self, size: int, chunk: int = 1) -> Ledger:
+        """Everything live on a device while programs of ``size`` run (see `Ledger`).
 
         The resident state is counted whole, read or not. Each of the ``in_flight``
-        micro-steps dispatched holds its transferred micro-batch, its outputs that are
-        not aliased to a donated input (the new model state) and its temporaries (a
-        runtime may allocate them at dispatch).
+        programs dispatched holds its transferred examples (``chunk * size``), its
+        outputs that are not aliased to a donated input (the new model state) and its
+        temporaries (a runtime may allocate them at dispatch).
         """
-        report = self.report(size)
-        args = self.micro_structs(size)
+        report = self.report(size, chunk)
+        args = self.micro_structs(size, chunk)
         inputs = tree_bytes((args.batch, args.weights, args.offset, args.k))
         new_outputs = report["output"] - report["alias"]
         return Ledger(
@@ -297,6 +319,11 @@ class Executables:
             program=self.in_flight * report["temp"] + report["code"],
         )
 
+    def example_bytes(self) -> int:
+        """Bytes one example (and its weight) adds to a program's inputs."""
+        self._require_bound()
+        return tree_bytes(self.example) + 4
+
     def state_bytes(self) -> int:
         """Bytes of the whole train state and the running totals on one device."""
         self._require_bound()
@@ -304,13 +331,13 @@ class Executables:
 
     def release(self, keep: Container[int]) -> None:
         """Frees the compiled programs of every size not in ``keep`` (reports stay)."""
-        for size in [s for s in self._compiled if s not in keep]:
-            del self._compiled[size]
-        self._lowered = {s: low for s, low in self._lowered.items() if s in keep}
+        for key in [key for key in self._compiled if key[0] not in keep]:
+            del self._compiled[key]
+        self._lowered = {key: low for key, low in self._lowered.items() if key[0] in keep}
 
     def compiled_sizes(self) -> list[int]:
-        """The sizes whose compiled micro-step is held now."""
-        return sorted(self._compiled)
+        """The sizes whose compiled program (of any chunk) is held now."""
+        return sorted({size for size, _ in self._compiled})
 
     def fingerprint(self, size: int) -> str:
         """A digest of the lowered micro-step: the model, loss, optimizer and shapes."""
@@ -318,6 +345,16 @@ class Executables:
             text = self._micro_jit.lower(*self.micro_structs(size)).as_text()
             self._fingerprint = hashlib.sha256(text.encode()).hexdigest()
         return self._fingerprint
+
+    def _check_chunk(self, size: int, chunk: Any) -> int:
+        if isinstance(chunk, bool) or not isinstance(chunk, int | np.integer) or chunk < 1:
+            raise ValueError(f"{chunk=} must be a positive int.")
+        if size * chunk > self.target_batch_size + size - 1:
+            raise ValueError(
+                f"a chunk of {chunk} micro-steps of {size} covers more than "
+                f"target_batch_size={self.target_batch_size}."
+            )
+        return int(chunk)
 
     def _check_size(self, size: Any) -> int:
         self._require_bound()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 
@@ -31,65 +31,16 @@ from jax_adaptive.memory import (
     tree_bytes,
 )
 from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
+from jax_adaptive.plan import Objective, Plan, SizeTrial, chunk_length, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import TrainState
 
-__all__ = ["Plan", "Planner", "SizeTrial"]
+__all__ = ["Planner"]
 
 log = logging.getLogger("jax_adaptive")
 
-DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
 GrowPolicy = Literal["never", "on_limit_change"] | int
-
-
-class SizeTrial(NamedTuple):
-    """One decision of whether a micro-batch size fits.
-
-    Attributes:
-        size: the micro-batch size.
-        fits: the answer.
-        estimated_bytes: the peak the ledger gives the size (None if it did not
-            compile): the sum of the three parts below.
-        seconds: what deciding cost (compile, run).
-        decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
-            ``"cache"`` (a size measured before), ``"compile"`` (compiling ran out of
-            memory), ``"run"`` (a real run ran out of memory), ``"learned"`` (the peak
-            is above the capacity learned from real out-of-memory errors), ``"plan
-            cache"`` (a plan a run of the same job stored; its first run is still
-            guarded).
-        reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
-        state_bytes: the resident train state, accumulator and totals.
-        in_flight_bytes: the inputs and new outputs of the micro-steps in flight.
-        program_bytes: the micro-step's temporaries and code.
-    """
-
-    size: int
-    fits: bool
-    estimated_bytes: int | None
-    seconds: float
-    decided_by: DecidedBy
-    reason: str
-    state_bytes: int | None = None
-    in_flight_bytes: int | None = None
-    program_bytes: int | None = None
-
-
-class Plan(NamedTuple):
-    """The size in use and what it costs.
-
-    Attributes:
-        micro_batch_size: the size.
-        accumulation_steps: micro-steps per update.
-        ledger: everything live while it runs (None before it was measured: a fixed
-            size or a plan from the cache, until its first compile).
-        capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
-    """
-
-    micro_batch_size: int
-    accumulation_steps: int
-    ledger: Ledger | None
-    capacity: int | None
 
 
 class Planner:
@@ -100,7 +51,7 @@ class Planner:
         target_batch_size: examples per update.
         fixed: a fixed size, never searched nor changed; None to search.
         memory_limit, headroom, grow, oom_retries, multiple_of, plan_cache,
-            objective: as `jax_adaptive.AdaptiveTrainer` documents them.
+            objective, chunk: as `jax_adaptive.AdaptiveTrainer` documents them.
         shards: the data shards every size must be a multiple of.
         device: the device whose capacity counts.
         memory_prior: a predicted ``(intercept, slope)`` of the peak against the size
@@ -125,7 +76,8 @@ class Planner:
         multiple_of: int = 1,
         shards: int = 1,
         plan_cache: PlanCache | None = None,
-        objective: Literal["max", "throughput"] = "max",
+        objective: Objective = "least_padding",
+        chunk: int | Literal["auto"] = "auto",
         device: Any = None,
         memory_prior: tuple[float, float] | None = None,
     ):
@@ -133,8 +85,10 @@ class Planner:
             raise ValueError(f"{headroom=} must be in [0, 1).")
         if not (grow in ("never", "on_limit_change") or (isinstance(grow, int) and grow > 0)):
             raise ValueError(f"{grow=} must be 'never', 'on_limit_change' or a positive int.")
-        if objective not in ("max", "throughput"):
-            raise ValueError(f"{objective=} must be 'max' or 'throughput'.")
+        if objective not in ("least_padding", "max", "throughput"):
+            raise ValueError(f"{objective=} must be 'least_padding', 'max' or 'throughput'.")
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"{chunk=} must be 'auto' or a positive int.")
         self.executables, self.target_batch_size, self.fixed = executables, target_batch_size, fixed
         self.memory_limit, self.headroom, self.grow = memory_limit, headroom, grow
         self.oom_retries, self.multiple_of, self.shards = oom_retries, multiple_of, shards
@@ -143,6 +97,9 @@ class Planner:
         self.search_log: list[SizeTrial] = []
         self.throughput_log: list[dict[str, float]] = []
         self.size: int | None = None
+        self.chunk_limit = chunk
+        self._chunk: int | None = None  # decided at the size's first update
+        self.largest: int | None = None  # the largest size that fits, when searched
         self._generation = 0  # the executables' binding the memory model measured
         self._others = 0  # bytes other live arrays held on the device at the last plan
         self._learned_cap: int | None = None  # below the peaks that really failed
@@ -167,18 +124,20 @@ class Planner:
             own = tree_bytes(self.executables.state_structs)  # live now; totals are not yet
             self._others = max(0, in_use - own)
 
-    def ledger(self, size: int) -> Ledger:
-        """The size's `jax_adaptive.Ledger`, compiling its micro-step if need be."""
-        ledger = self.executables.ledger(size)
-        self.memory_model.add(size, ledger.total)
+    def ledger(self, size: int, chunk: int = 1) -> Ledger:
+        """The `jax_adaptive.Ledger` of ``chunk`` micro-steps of ``size``, compiled if need be."""
+        ledger = self.executables.ledger(size, chunk)
+        if chunk == 1:
+            self.memory_model.add(size, ledger.total)
         return ledger
 
-    def check(self, size: int) -> None:
-        """Raises the simulated out-of-memory when the size's peak exceeds the capacity."""
+    def check(self, size: int, chunk: int = 1) -> None:
+        """Raises the simulated out-of-memory when the program's peak exceeds the capacity."""
         capacity = self.capacity()
-        needed = self.ledger(size).total
+        needed = self.ledger(size, chunk).total
         if capacity is not None and needed > capacity:
-            raise SimulatedOutOfMemory(needed, capacity, what=f"micro-step of {size}")
+            what = f"micro-step of {size}" if chunk == 1 else f"chunk of {chunk} x {size}"
+            raise SimulatedOutOfMemory(needed, capacity, what=what)
 
     def optimizer_step(self) -> tuple[Executable, bool]:
         """The optimizer step to use, and whether it donates the state.
@@ -208,8 +167,10 @@ class Planner:
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
-            self.executables.ledger(self.size) if known else None,
+            self.executables.ledger(self.size, self.chunk) if known else None,
             self.capacity(),
+            self._chunk,
+            self.largest,
         )
 
     # ------------------------------------------------------------ planning
@@ -222,22 +183,69 @@ class Planner:
         self._measure_others()
         self.optimizer_step()  # compiles it, and checks that the state itself fits
         if self.fixed is not None:
-            self.size = self.fixed
             self.executables.micro(self.fixed)
+            self._use(self.fixed)
             return self.size
-        cached = self._cached_plan()
-        if cached is None:
-            cached = self._search(hi=self.target_batch_size, reason="init")
-            if self.objective == "throughput":
-                cached = self._fastest(state, cached)
-        self._use(process_min(cached))
+        size = self._cached_plan()
+        if size is None:
+            size = process_min(self._search(hi=self.target_batch_size, reason="init"))
+            self.largest = size
+            size = self._fastest(state, size) if self.objective == "throughput" else size
+        self._use(self._trimmed(size))
         return self.size
 
+    def _trimmed(self, largest: int) -> int:
+        """The size the objective takes below the largest that fits (`least_padding_size`)."""
+        if self.objective != "least_padding":
+            return largest
+        multiple = math.lcm(self.multiple_of, self.shards)
+        return least_padding_size(self.target_batch_size, largest, multiple)
+
     def _use(self, size: int) -> None:
-        """Takes ``size``, stores it under the live key, and frees the other sizes' code."""
+        """Takes ``size`` and its chunk, stores it under the live key, frees other sizes."""
         self.size = size
         self._store_plan()
         self.executables.release(keep={size})
+        self._chunk = None
+
+    @property
+    def chunk(self) -> int:
+        """Micro-steps per dispatch for the size in use, decided (and compiled) once."""
+        if self._chunk is None:
+            self._chunk = self._chunk_for(self.size)
+        return self._chunk
+
+    def _chunk_for(self, size: int) -> int:
+        """Micro-steps per dispatch for ``size``: as few dispatches as the capacity allows.
+
+        A chunk's ledger grows by its examples only (the scan reuses one micro-step's
+        temporaries); the chosen chunk is compiled and its own ledger checked.
+        """
+        steps = math.ceil(self.target_batch_size / size)
+        if self.chunk_limit != "auto":
+            return chunk_length(steps, self.chunk_limit)
+        if steps == 1 or self.executables.data is not None:  # under a mesh: one at a time
+            return 1
+        capacity, most = self._guide_capacity(), steps
+        if capacity is not None:
+            base, error = catch_oom(lambda: self.ledger(size))
+            if error is not None:
+                return 1
+            spare = capacity - base.total
+            per = self.executables.in_flight * size * self.executables.example_bytes()
+            most = 1 + max(0, spare) // per
+        chunk = chunk_length(steps, most)
+        while chunk > 1:
+            ledger, error = catch_oom(lambda c=chunk: self.ledger(size, c))
+            if error is None and (capacity is None or ledger.total <= capacity):
+                break
+            chunk = chunk_length(steps, chunk - 1)
+        return chunk
+
+    def unchunk(self) -> None:
+        """After a chunk ran out of memory: one micro-step per dispatch for this size."""
+        log.warning("a chunk of %d micro-steps of %d ran out of memory", self.chunk, self.size)
+        self._chunk = 1
 
     def key(self) -> str:
         """The plan cache's key: what decides the plan, as it is now (the live limit)."""
@@ -251,6 +259,7 @@ class Planner:
             multiple_of=self.multiple_of,
             shards=self.shards,
             target_batch_size=self.target_batch_size,
+            objective=self.objective,
             example=str(self.executables.example),
             micro_step=self.executables.fingerprint(self.shards),
             jax=jax.__version__,
@@ -405,7 +414,8 @@ class Planner:
             grown = self._search(lo=self.size, hi=self.target_batch_size, reason="grow")
         except NothingFitsError:
             grown = self.size  # not even the current size fits now: the step shrinks it
-        self._use(process_min(grown))
+        self.largest = process_min(grown)
+        self._use(self._trimmed(self.largest))
 
     def finish_update(self) -> None:
         """Called after each update: counts it for the periodic grow policy."""
@@ -446,9 +456,9 @@ class Planner:
         try:
             if size <= self.shards:
                 raise self._nothing_fits(size, [], exc) from exc
-            self._use(
-                process_min(self._search(hi=size - 1, reason=f"out of memory at size {size}"))
-            )
+            reason = f"out of memory at size {size}"
+            self.largest = process_min(self._search(hi=size - 1, reason=reason))
+            self._use(self._trimmed(self.largest))
         except NothingFitsError:
             # A real out-of-memory can pass (fragmentation, another job's peak): retry the
             # smallest size a few times in a row before giving up.

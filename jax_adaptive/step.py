@@ -23,6 +23,7 @@ weights other than 0 and 1 give weighted means the same way (a token count per s
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeAlias
 
@@ -82,9 +83,31 @@ def multi_steps(optimizer: optax.GradientTransformation, k: Any) -> optax.MultiS
     return optax.MultiSteps(optimizer, every_k_schedule=lambda _: k, use_grad_mean=False)
 
 
-def _call_loss(loss_fn, has_aux: bool, has_state: bool, params, model_state, batch, rng):
-    """Calls the user's loss in any of its forms; returns (losses, aux, new_model_state)."""
-    out = loss_fn(params, model_state, batch, rng) if has_state else loss_fn(params, batch, rng)
+def _takes_weights(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` declares a keyword parameter ``weights`` (see `_call_loss`)."""
+    try:
+        parameter = inspect.signature(loss_fn).parameters.get("weights")
+    except (TypeError, ValueError):  # a callable without a signature takes none
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in keyword
+
+
+def _call_loss(
+    loss_fn, has_aux: bool, has_state: bool, params, model_state, batch, rng, weights=None
+):
+    """Calls the user's loss in any of its forms; returns (losses, aux, new_model_state).
+
+    ``weights`` (the micro-batch's per-example weights, 0 for padding) goes to the loss
+    as the keyword ``weights`` when given: pass it only to a loss that `_takes_weights`
+    (ghost batches use it to keep padding out of BatchNorm's running averages).
+    """
+    kwargs = {} if weights is None else {"weights": weights}
+    out = (
+        loss_fn(params, model_state, batch, rng, **kwargs)
+        if has_state
+        else loss_fn(params, batch, rng, **kwargs)
+    )
     new_model_state = model_state
     if has_state:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -147,6 +170,7 @@ def make_micro_step(
         >>> float(acc["w"]), int(mini), float(totals["loss"])  # d/dw sum((w-0)^2)/4 over 2
         (1.0, 1, 2.0)
     """
+    takes_weights = _takes_weights(loss_fn)  # once, not at every trace
 
     def micro_step(
         params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
@@ -159,8 +183,9 @@ def make_micro_step(
 
             def objective(p):
                 losses, aux, new_state = _call_loss(
-                    loss_fn, has_aux, has_state, p, model_state, batch, key
-                )
+                    loss_fn, has_aux, has_state, p, model_state, batch, key,
+                    weights if takes_weights else None,
+                )  # fmt: skip
                 _check_per_example("loss_fn's losses", losses, m)
                 for name, value in aux.items():
                     _check_per_example(f"aux[{name!r}]", value, m)
@@ -210,3 +235,51 @@ def make_optimizer_step(
         return optax.apply_updates(params, updates), new_opt, means
 
     return optimizer_step
+
+
+def scan_micro_steps(micro_step: Callable[..., Any], size: int) -> Callable[..., Any]:
+    """Runs consecutive micro-steps of ``size`` in one program: a chunk, one dispatch.
+
+    The returned function takes the micro-step's arguments with ``c * size`` examples
+    (``c`` micro-batches, in order, ``offset`` the first one's) and returns what the
+    last of the ``c`` micro-steps returns. Each micro-step sees the same arguments it
+    would see dispatched alone (its micro-batch, its offset, the running accumulator,
+    mini-step, model state and totals), so a chunk equals its micro-steps one by one;
+    only the host's work per micro-step is gone.
+
+    Example:
+        >>> import optax
+        >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
+        >>> micro = make_micro_step(loss, optax.sgd(0.1), 4)
+        >>> chunk = jax.jit(scan_micro_steps(micro, 2))
+        >>> params = {"w": jnp.ones(())}
+        >>> opt = multi_steps(optax.sgd(0.1), 3).init(params)
+        >>> batch = {"x": jnp.ones(4), "y": jnp.zeros(4)}
+        >>> acc, mini, _, totals = chunk(params, opt._replace(acc_grads=None), opt.acc_grads,
+        ...     (), {"loss": jnp.zeros(())}, batch, jnp.ones(4), jax.random.key(0), 0, 3)
+        >>> float(acc["w"]), int(mini), float(totals["loss"])  # two micro-steps of 2
+        (2.0, 2, 4.0)
+    """
+
+    def chunk_step(
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
+    ):
+        c = weights.shape[0] // size
+
+        def split(x):
+            return x.reshape(c, size, *x.shape[1:])
+
+        def body(carry, xs):
+            acc, mini_step, state, sums = carry
+            micro_batch, micro_weights, i = xs
+            opt = opt_state._replace(mini_step=mini_step)
+            out = micro_step(
+                params, opt, acc, state, sums, micro_batch, micro_weights, rng, offset + i * size, k
+            )
+            return out, None
+
+        carry = (acc_grads, opt_state.mini_step, model_state, totals)
+        xs = (jax.tree.map(split, batch), split(weights), jnp.arange(c, dtype=jnp.int32))
+        return jax.lax.scan(body, carry, xs)[0]
+
+    return chunk_step

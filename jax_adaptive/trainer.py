@@ -18,70 +18,23 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
-import numpy as np
 import optax
 
+from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Placement, place
 from jax_adaptive.executables import Executables, FaultHook
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import Ledger, MemoryModel
+from jax_adaptive.plan import Objective, Plan, SizeTrial
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.planner import GrowPolicy, Plan, Planner, SizeTrial
+from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
 from jax_adaptive.update import OptimizerStepOutOfMemory, StateLostError, Updater
 
 __all__ = ["AdaptiveTrainer", "OptimizerStepOutOfMemory", "SizeTrial", "StateLostError"]
 
 log = logging.getLogger("jax_adaptive")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be positive.")
-    return int(value)
-
-
-def _fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> int | None:
-    """The fixed micro-batch size (None for "auto"), checked against the others."""
-    if shards > T:
-        raise ValueError(
-            f"target_batch_size={T} is smaller than the {shards} data shards of the "
-            "mesh: every device needs an example."
-        )
-    if multiple_of > T:
-        raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
-    if micro_batch_size == "auto":
-        return None
-    size = _positive_int("micro_batch_size", micro_batch_size)
-    if size > T:
-        raise ValueError(f"micro_batch_size={size} must not exceed target_batch_size={T}.")
-    if size % shards:
-        raise ValueError(f"micro_batch_size={size} must be a multiple of the {shards} data shards.")
-    return size
-
-
-def _check_batch(batch: Batch, weights: Any, example: Any, T: int) -> None:
-    """Raises a one-line error for a batch (or weights) the programs would not take."""
-    size = leading_size(batch)
-    if size != T:
-        raise ValueError(
-            f"the batch has leading size {size}, but each step takes exactly "
-            f"target_batch_size={T} examples."
-        )
-    got, want = jax.tree.structure(batch), jax.tree.structure(example)
-    if got != want:
-        raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
-    for x, spec in zip(jax.tree.leaves(batch), jax.tree.leaves(example), strict=True):
-        if np.shape(x)[1:] != spec.shape:
-            raise ValueError(
-                f"a batch leaf has per-example shape {np.shape(x)[1:]}, but example_batch "
-                f"had {spec.shape}."
-            )
-    if weights is not None and np.shape(weights) != (T,):
-        raise ValueError(f"weights must have shape ({T},), got {np.shape(weights)}.")
 
 
 class AdaptiveTrainer:
@@ -119,10 +72,19 @@ class AdaptiveTrainer:
             of the same job compiles no search candidates: None for the default file
             (`jax_adaptive.PlanCache`; ``JAX_ADAPTIVE_PLAN_CACHE=off`` turns it off),
             False for none, a path, or a `jax_adaptive.PlanCache`.
-        objective: ``"max"``, the largest micro-batch that fits, or ``"throughput"``:
-            the fastest update among the largest size and the sizes with the fewest
-            micro-steps and the least padding (``ceil(T / k)`` for the few smallest
-            ``k``), each timed for a few micro-steps at ``init`` (`throughput_log`).
+        objective: ``"least_padding"`` (the default): the fewest micro-steps the
+            largest size that fits allows, with the least padding (``ceil(T / k)``
+            rounded up to ``multiple_of``; `jax_adaptive.least_padding_size`);
+            ``"max"``: the largest size that fits itself; ``"throughput"``: the fastest
+            update among the largest size and the sizes with the fewest micro-steps and
+            the least padding (``ceil(T / k)`` for the few smallest ``k``), each timed
+            for a few micro-steps at ``init`` (`throughput_log`).
+        chunk: micro-steps per dispatch, scanned in one program so that the host's
+            work per micro-step does not starve the device: ``"auto"`` (the default)
+            takes as many as the capacity leaves room for (a chunk's ledger adds its
+            examples; a whole update at most), a positive int caps it (1: a dispatch
+            per micro-step). An out-of-memory costs at most one chunk's micro-steps and
+            falls back to one per dispatch. Under a mesh, one per dispatch.
         device: the device to train on (the first local device by default), without
             ``mesh``.
         mesh: a ``jax.sharding.Mesh`` (`jax_adaptive.data_mesh` makes one over all
@@ -137,10 +99,10 @@ class AdaptiveTrainer:
             of) the parameters, for parameters sharded over other mesh axes; the
             optimizer state follows its parameters (``optax.tree_map_params``). None
             replicates the parameters.
-        in_flight: the most micro-steps dispatched and not finished at once. Each holds
-            its micro-batch, new outputs and temporaries, and the ledger counts them: 1
-            (the default) costs a dispatch's gap between micro-steps, nothing next to a
-            long one; 2 hides it for small ones at the memory of a second micro-step.
+        in_flight: the most programs (micro-steps or chunks) dispatched and not finished
+            at once. Each holds its examples, new outputs and temporaries, and the
+            ledger counts them: 1 (the default) costs a dispatch's gap between programs,
+            nothing next to a long one; 2 hides it at the memory of a second program.
         memory_prior: a predicted ``(intercept, slope)`` of the peak in bytes against
             the micro-batch size (`jax_adaptive.predict_line`) to guide the first
             compiles of the search.
@@ -179,7 +141,8 @@ class AdaptiveTrainer:
         oom_retries: int = 3,
         multiple_of: int = 1,
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
-        objective: Literal["max", "throughput"] = "max",
+        objective: Objective = "least_padding",
+        chunk: int | Literal["auto"] = "auto",
         device: jax.Device | None = None,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
@@ -194,28 +157,27 @@ class AdaptiveTrainer:
                 "optimizer must be an optax.GradientTransformation (with init and update), "
                 f"got {type(optimizer).__name__}."
             )
-        T = self.target_batch_size = _positive_int("target_batch_size", target_batch_size)
+        T = self.target_batch_size = checks.check_target_batch_size(target_batch_size)
         self.optimizer = optimizer
-        self.placement = Placement(device, mesh, data_axis, param_sharding)
-        multiple_of = _positive_int("multiple_of", multiple_of)
-        fixed = _fixed_size(micro_batch_size, multiple_of, T, self.shards)
+        self.placement = Placement(checks.check_device(device), mesh, data_axis, param_sharding)
+        multiple_of = checks.positive_int("multiple_of", multiple_of)
+        fixed = checks.fixed_size(micro_batch_size, multiple_of, T, self.shards)
         self._executables = Executables(
-            loss_fn, optimizer, T, has_aux=has_aux, has_state=has_state,
+            checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, T,
+            has_aux=has_aux, has_state=has_state,
             everywhere=self.placement.everywhere, data=self.placement.data,
-            in_flight=_positive_int("in_flight", in_flight),
+            in_flight=checks.positive_int("in_flight", in_flight),
         )  # fmt: skip
         self._planner = Planner(
             self._executables, target_batch_size=T, fixed=fixed,
-            memory_limit=None if memory_limit is None else self._check_limit(memory_limit),
-            headroom=headroom, grow=grow, oom_retries=oom_retries, multiple_of=multiple_of,
+            memory_limit=checks.check_limit(memory_limit),
+            headroom=checks.check_fraction("headroom", headroom), grow=checks.check_grow(grow),
+            oom_retries=checks.non_negative_int("oom_retries", oom_retries),
+            multiple_of=multiple_of,
             shards=self.shards, plan_cache=PlanCache.from_arg(plan_cache), objective=objective,
-            device=self.placement.device, memory_prior=memory_prior,
+            chunk=chunk, device=self.placement.device, memory_prior=memory_prior,
         )  # fmt: skip
         self._updater = Updater(self._planner, self.placement, in_flight)
-
-    @staticmethod
-    def _check_limit(memory_limit: Any) -> int:
-        return _positive_int("memory_limit", memory_limit)
 
     # ----------------------------------------------------------------- what it holds
 
@@ -393,10 +355,11 @@ class AdaptiveTrainer:
         """
         return self._executables.micro(size).compiled
 
-    def ledger(self, size: int) -> Ledger:
+    def ledger(self, size: int, chunk: int = 1) -> Ledger:
         """Everything live on the device while micro-steps of ``size`` run, by part.
 
         This, not the program's own estimate, is what the capacity is compared with.
+        With ``chunk``: the program of that many micro-steps in one dispatch.
 
         Example:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -407,7 +370,7 @@ class AdaptiveTrainer:
             >>> ledger.total == ledger.state + ledger.in_flight + ledger.program
             True
         """
-        return self._planner.ledger(size)
+        return self._planner.ledger(size, chunk)
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU without a limit).
@@ -437,8 +400,7 @@ class AdaptiveTrainer:
             >>> trainer.memory_limit
             1073741824
         """
-        limit = None if memory_limit is None else self._check_limit(memory_limit)
-        self._planner.set_memory_limit(limit)
+        self._planner.set_memory_limit(checks.check_limit(memory_limit))
 
     def step(
         self, state: TrainState, batch: Batch, *, weights: Any = None
@@ -471,7 +433,8 @@ class AdaptiveTrainer:
             -0.5
         """
         self._require_init()
-        _check_batch(batch, weights, self._executables.example, self.target_batch_size)
+        batch = checks.on_device(batch, self.device if self.mesh is None else None)
+        checks.check_batch(batch, weights, self._executables.example, self.target_batch_size)
         return self._updater.run(state, batch, weights)
 
     def fit(
@@ -486,7 +449,16 @@ class AdaptiveTrainer:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
         Leftover examples carry over between updates; a change of micro-batch size
-        never restarts, reshuffles or drops the stream.
+        never restarts, reshuffles or drops the stream. Nothing is lost:
+
+        * examples read past the last update stay with the iterator (`Rebatcher`):
+          ``fit(state, it, 1)`` called again on the same iterator ``it`` goes on with
+          the very next example;
+        * an optimizer step that runs out of memory (`OptimizerStepOutOfMemory`) is run
+          again on the same batch from the state it kept;
+        * any other error (a bad batch, the stream's own) raises `jax_adaptive.FitError`
+          from it, holding the last good ``state``, the ``history`` of the updates made
+          and the ``batch`` in flight: ``fit(error.state, it)`` goes on.
 
         Args:
             state: the current `TrainState`.
@@ -499,6 +471,9 @@ class AdaptiveTrainer:
         Returns:
             The state and one metrics dict (host values) per update.
 
+        Raises:
+            FitError: any error part-way, as its ``__cause__``, with what was done.
+
         Example:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2,
@@ -510,7 +485,7 @@ class AdaptiveTrainer:
             (2, [8, 8])
         """
         if num_updates is not None:
-            _positive_int("num_updates", num_updates)
+            checks.positive_int("num_updates", num_updates)
         stream = Rebatcher(batches, self.target_batch_size)
         state, history = fit_loop(
             self.step, state, stream, num_updates, progress=progress, on_update=on_update

@@ -102,7 +102,7 @@ class Updater:
         self.placement, self.in_flight = placement, in_flight
         self.T = planner.target_batch_size
         self.host_bytes = 0
-        self._ran: set[int] = set()  # sizes that completed an update
+        self._ran: set[tuple[int, int]] = set()  # (size, chunk) that completed an update
         self._optimizer_ran: set[bool] = set()
         self._generation = 0  # the executables' binding the sets above are about
 
@@ -122,9 +122,14 @@ class Updater:
                 self._accumulate(state, (batch, weights), size, progress, cautious=failed)
                 break
             except Exception as exc:
-                if self.planner.fixed is not None or not is_oom(exc):
+                if not is_oom(exc):
                     raise
-                self.planner.shrink(exc, size)
+                if self.planner.chunk > 1:
+                    self.planner.unchunk()  # the size ran before: the chunk's extra did not fit
+                elif self.planner.fixed is not None:
+                    raise
+                else:
+                    self.planner.shrink(exc, size)
                 # Go on from the micro-step that failed when what came before survived;
                 # else start the update again from the state, which nothing donated.
                 salvaged = self._salvage(state, progress)
@@ -148,49 +153,54 @@ class Updater:
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
-        At most ``in_flight`` micro-steps are dispatched and not finished: the next
-        micro-batch goes to the device with its micro-step, once the oldest is done (the
-        ledger counts them). ``cautious``
-        (after an out-of-memory in this update) and a size's first run also wait for
-        each micro-step before the next runs and keep a host copy of its result, so a
-        failure costs one micro-step, not the update.
+        They run a chunk at a time (``planner.chunk`` micro-steps in one program), the
+        update's last ones one at a time when fewer than a chunk remain. At most
+        ``in_flight`` programs are dispatched and not finished: the next examples go to
+        the device with their program, once the oldest is done (the ledger counts
+        them). ``cautious`` (after an out-of-memory in this update) and a program's
+        first run also wait for each program before the next runs and keep a host copy
+        of its result, so a failure costs one program's micro-steps, not the update.
         """
+        chunk = self.planner.chunk
         # What would fail before any micro-step runs (a compile, the capacity), agreed.
-        agreed(lambda: (self.executables.micro(size), self.planner.check(size)), size)
-        compiled = self.executables.micro(size).compiled
+        for c in {chunk, 1}:
+            agreed(lambda c=c: (self.executables.micro(size, c), self.planner.check(size, c)), size)
+        programs = {c: self.executables.micro(size, c).compiled for c in {chunk, 1}}
         hook = self.executables.fault_hook
-        cautious = cautious or size not in self._ran
+        cautious = cautious or (size, chunk) not in self._ran
         remaining = math.ceil((self.T - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
-        running: collections.deque = collections.deque()  # each micro-step's mini_step
+        running: collections.deque = collections.deque()  # each program's mini_step
         opt = state.opt_state._replace(acc_grads=None)
-        for micro in micro_batches(batch, size, start=p.offset):
+        while p.offset < self.T:
             while len(running) >= self.in_flight:
                 jax.block_until_ready(running.popleft())
-            if cautious and p.steps:  # the previous micro-step must fail inside the try
+            if cautious and p.steps:  # the previous program must fail inside the try
                 agreed(lambda: self._save(p), size)
                 self.planner.ran()
-            chunk, weights = micro.batch
-            chunk, weights = self.placement.micro_batch(
-                (chunk, np.where(micro.mask, np.asarray(weights, np.float32), 0))
+            steps = chunk if math.ceil((self.T - p.offset) / size) >= chunk else 1
+            piece = next(micro_batches(batch, steps * size, start=p.offset))
+            examples, weights = piece.batch
+            examples, weights = self.placement.micro_batch(
+                (examples, np.where(piece.mask, np.asarray(weights, np.float32), 0))
             )
             args = MicroArgs(
                 state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
-                p.totals, chunk, weights, state.rng, np.int32(micro.offset), k,
+                p.totals, examples, weights, state.rng, np.int32(piece.offset), k,
             )  # fmt: skip
             if hook is not None:
                 agreed(lambda args=args: hook.before_execution(size, args), size)
-            p.acc, p.mini_step, p.model_state, p.totals = compiled(*args)
-            p.offset, p.steps = min(micro.offset + size, self.T), p.steps + 1
+            p.acc, p.mini_step, p.model_state, p.totals = programs[steps](*args)
+            p.offset, p.steps = min(piece.offset + steps * size, self.T), p.steps + steps
             running.append(p.mini_step)
-            del chunk, weights, args  # the transferred micro-batch lives while it runs only
-        # A late (asynchronous) failure must surface as the micro-step's, not later.
+            del examples, weights, args  # the transferred examples live while they run only
+        # A late (asynchronous) failure must surface as the program's, not later.
         if cautious:
             agreed(lambda: self._save(p), size)
         else:
             agreed(lambda: jax.block_until_ready(p.kept()), size)
         self.planner.ran()
-        self._ran.add(size)
+        self._ran.add((size, chunk))
 
     def _save(self, p: _Progress) -> None:
         """Copies what the last micro-step changed to the host.

@@ -48,7 +48,7 @@ def train(params, batches, *, faults=None, **kwargs):
     from jax_adaptive.testing import inject_oom
 
     trainer = ja.AdaptiveTrainer(
-        mlp_loss, OPTIMIZER, target_batch_size=T, plan_cache=False, **kwargs
+        mlp_loss, OPTIMIZER, target_batch_size=T, plan_cache=False, objective="max", **kwargs
     )
     state = trainer.init(params, batches[0])
     planned, sizes = trainer.micro_batch_size, []

@@ -69,7 +69,13 @@ def _trainer(**kwargs):
         OPTIMIZER,
         buckets=BUCKETS,
         count_tokens=_next_token_counts,
-        **{"target_tokens": TARGET_TOKENS, "memory_limit": LIMIT, "plan_cache": False, **kwargs},
+        **{
+            "target_tokens": TARGET_TOKENS,
+            "memory_limit": LIMIT,
+            "plan_cache": False,
+            "objective": "max",  # the exact largest size per bucket is checked below
+            **kwargs,
+        },
     )
 
 
@@ -126,7 +132,7 @@ def test_token_weighting_reports_the_mean_loss_per_real_token(fitted):
 def test_an_out_of_memory_in_one_bucket_loses_nothing(fitted, tmp_path):
     sequences = _sequences(60)
     cache = shutil.copy(fitted[-1], tmp_path)  # the shrunk plan is stored: keep it apart
-    trainer = _trainer(plan_cache=cache)
+    trainer = _trainer(plan_cache=cache, chunk=1)  # a dispatch per micro-step
     state = trainer.init(_params(), sequences[0])
     batches, injected, sizes = _batches(sequences, trainer), [], {}
     for batch in batches:

@@ -196,7 +196,7 @@ def test_nothing_fits_names_the_bytes():
 
 
 def test_a_compile_oom_marks_the_size_as_not_fitting():
-    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T)
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, objective="max")
     with inject_oom(trainer, compile_sizes={T}):
         trainer.init(mlp_params(), regression_batches(1, T)[0])
     assert trainer.micro_batch_size == T - 1
@@ -213,7 +213,9 @@ def test_a_real_oom_shrinks_to_the_headroom_below_its_estimate_and_grow_policies
     """After a real OOM at T, the size is the largest whose estimate is within
     (1 - headroom) of T's estimate; ``grow=2`` tries T again two updates later."""
     batches = regression_batches(3, T)
-    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, grow=grow)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.sgd(0.1), target_batch_size=T, grow=grow, objective="max"
+    )
     state = trainer.init(mlp_params(), batches[0])
     cap = _estimate(trainer, T) * (1 - trainer.headroom)
     sizes = []
@@ -228,7 +230,9 @@ def test_a_real_oom_shrinks_to_the_headroom_below_its_estimate_and_grow_policies
 
 def test_repeated_real_ooms_in_one_update_halve_the_learned_capacity():
     batches = regression_batches(1, T)
-    trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, grow="never")
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.sgd(0.1), target_batch_size=T, grow="never", objective="max"
+    )
     state = trainer.init(mlp_params(), batches[0])
     with inject_oom(trainer, executions={1, 2}):
         _, metrics = trainer.step(state, batches[0])
@@ -263,8 +267,8 @@ def test_host_copies_hold_only_what_a_micro_step_changes():
     does not donate here, needs no snapshot."""
     batches = regression_batches(2, T)
     params = mlp_params()
-    trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    trainer = ja.AdaptiveTrainer(  # chunk=1: a host copy per micro-step, not per chunk
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4, chunk=1
     )
     state = trainer.init(params, batches[0])
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))

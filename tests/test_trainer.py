@@ -111,9 +111,15 @@ def test_one_compile_per_size_never_a_retrace():
     )
     state = trainer.init(mlp_params(), batches[0])
     after_init = len(traces)
-    for batch in batches:
+    state, _ = trainer.step(state, batches[0])
+    chunk = trainer.plan_info.chunk
+    assert chunk == 3  # 5 + 5 + 2: one dispatch scans all three micro-steps
+    # the chunked program traces the loss once (inside its scan), at the first update
+    assert traces[after_init:] == [5]
+    after_first = len(traces)
+    for batch in batches[1:]:
         state, _ = trainer.step(state, batch)
-    assert len(traces) == after_init, "a step retraced the loss"
+    assert len(traces) == after_first, "a step retraced the loss"
     assert dict(trainer.trace_counts) == {5: 1}
     trainer.compile(3)
     trainer.compile(3)
@@ -185,7 +191,7 @@ def test_auto_picks_the_largest_size_whose_estimate_fits(estimates, size):
     for limit in (estimates[size], estimates[size + 1] - 1):
         expected = brute_force_max(estimates, limit)
         trainer = ja.AdaptiveTrainer(
-            mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit
+            mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=limit, objective="max"
         )
         state, history = train(trainer, mlp_params(), batches)
         assert trainer.micro_batch_size == expected
@@ -217,7 +223,7 @@ def test_below_every_size_raises_with_the_bytes(estimates):
 def test_lowering_the_limit_shrinks_at_the_next_step_and_stays_exact(estimates):
     batches = regression_batches(4, T)
     trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[T]
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[T], objective="max"
     )
     state = trainer.init(mlp_params(), batches[0])
     sizes = []
@@ -234,7 +240,7 @@ def test_lowering_the_limit_shrinks_at_the_next_step_and_stays_exact(estimates):
 def test_raising_the_limit_grows_back(estimates):
     batches = regression_batches(3, T)
     trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[3]
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[3], objective="max"
     )
     state = trainer.init(mlp_params(), batches[0])
     state, m0 = trainer.step(state, batches[0])
@@ -376,7 +382,7 @@ def test_planning_again_for_another_shape_drops_the_old_shapes_programs():
 def test_sizes_no_longer_in_use_release_their_programs(estimates):
     batches = regression_batches(2, T)
     trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[7]
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[7], objective="max"
     )
     state = trainer.init(mlp_params(), batches[0])
     assert len({t.size for t in trainer.search_log}) > 1  # the search compiled several

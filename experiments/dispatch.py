@@ -1,0 +1,215 @@
+"""Is the trainer as fast as a hand-written loop? Time per update against optax.microbatch.
+
+At micro-batch 8, 64 and 512 (T = 1024, Adam), one process, interleaved rounds, medians:
+
+- ``trainer``: `ja.AdaptiveTrainer` with that fixed micro-batch size, ``chunk="auto"``
+  (micro-steps scanned in chunks), a host (NumPy) batch, as a data loader gives it;
+- ``trainer_device``: the same with the batch already on the device;
+- ``trainer_chunk1``: one dispatch per micro-step (``chunk=1``), today's design before
+  chunks, host batch;
+- ``optax_microbatch``: a jitted step around ``optax.microbatch`` (optax's in-jit loop
+  over micro-batches of a size dividing the batch), the batch on the device;
+- ``full_batch``: one jitted full-batch step (no accumulation).
+
+Micro-batches 8 and 64 use an MLP 64 -> 128 -> 64 (dispatch-bound); 512 a 1024-wide MLP
+(compute-bound). The goal: trainer / optax_microbatch at most 1.15 at 8, at most 1.0
+when compute-bound.
+
+    python experiments/dispatch.py           # writes experiments/results/dispatch.{json,png}
+    python experiments/dispatch.py --quick   # fewer rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from common import write_result
+
+import jax_adaptive as ja
+
+T = 1024
+GOALS = {8: 1.15, 64: 1.15, 512: 1.0}
+
+
+def mlp(width: int, classes: int = 64, features: int = 64) -> tuple[Any, Callable]:
+    """Parameters and per-example loss of a one-hidden-layer MLP classifier."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {
+        "w1": jax.random.normal(k1, (features, width)) / np.sqrt(features),
+        "b1": jnp.zeros(width),
+        "w2": jax.random.normal(k2, (width, classes)) / np.sqrt(width),
+        "b2": jnp.zeros(classes),
+    }
+
+    def loss(p: Any, batch: dict[str, Any], rng: Any = None) -> jax.Array:
+        logits = jnp.tanh(batch["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    return params, loss
+
+
+def batch_of(features: int = 64, classes: int = 64) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(0)
+    return {
+        "x": rs.randn(T, features).astype(np.float32),
+        "y": rs.randint(0, classes, T).astype(np.int32),
+    }
+
+
+def trainer_update(params, loss, m: int, batch, *, chunk: int | str, on_device: bool):
+    trainer = ja.AdaptiveTrainer(
+        loss,
+        optax.adam(1e-3),
+        target_batch_size=T,
+        micro_batch_size=m,
+        chunk=chunk,
+        plan_cache=False,
+    )
+    state = trainer.init(params, batch)
+    data = jax.device_put(batch) if on_device else batch
+    box = [state]
+
+    def update() -> None:
+        box[0], _ = trainer.step(box[0], data)
+        jax.block_until_ready(box[0].params)
+
+    return update, trainer
+
+
+def optax_update(params, loss, m: int, batch):
+    optimizer = optax.adam(1e-3)
+
+    def step(p, opt_state, b):
+        def grad_sum(p, micro):
+            return jax.grad(lambda q: loss(q, micro).sum())(p)
+
+        grads = optax.microbatch(grad_sum, argnums=1, microbatch_size=m)(p, b)
+        grads = jax.tree.map(lambda g: g / T, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
+    data = jax.device_put(batch)
+
+    def update() -> None:
+        box[0], box[1] = step(box[0], box[1], data)
+        jax.block_until_ready(box[0])
+
+    return update
+
+
+def full_update(params, loss, batch):
+    optimizer = optax.adam(1e-3)
+
+    def step(p, opt_state, b):
+        grads = jax.grad(lambda q: loss(q, b).mean())(p)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
+    data = jax.device_put(batch)
+
+    def update() -> None:
+        box[0], box[1] = step(box[0], box[1], data)
+        jax.block_until_ready(box[0])
+
+    return update
+
+
+def measure(variants: dict[str, Callable[[], None]], rounds: int, per_round: int) -> dict:
+    """Median seconds per update of each variant over interleaved, rotated rounds."""
+    for update in variants.values():  # warm-up: compiles and first-run copies
+        for _ in range(3):
+            update()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(per_round):
+                variants[name]()
+            times[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--per-round", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="experiments/results/dispatch.json")
+    args = parser.parse_args()
+    rounds = 5 if args.quick else args.rounds
+    cases = {8: 128, 64: 128, 512: 1024}  # micro-batch -> hidden width
+    results = {}
+    for m, width in cases.items():
+        params, loss = mlp(width)
+        batch = batch_of()
+        update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
+        variants = {
+            "trainer": update,
+            "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[
+                0
+            ],
+            "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
+            "optax_microbatch": optax_update(params, loss, m, batch),
+            "full_batch": full_update(params, loss, batch),
+        }
+        seconds = measure(variants, rounds, args.per_round)
+        ratio = seconds["trainer"] / seconds["optax_microbatch"]
+        results[str(m)] = {
+            "hidden_width": width,
+            "micro_steps": T // m,
+            "chunk": trainer.plan_info.chunk,  # decided at the first update
+            "ms_per_update": {name: s * 1e3 for name, s in seconds.items()},
+            "trainer_over_optax_microbatch": ratio,
+            "trainer_device_over_optax_microbatch": seconds["trainer_device"]
+            / seconds["optax_microbatch"],
+            "chunk1_over_optax_microbatch": seconds["trainer_chunk1"] / seconds["optax_microbatch"],
+            "trainer_over_full_batch": seconds["trainer"] / seconds["full_batch"],
+            "goal": GOALS[m],
+            "meets_goal": ratio <= GOALS[m],
+        }
+        print(
+            f"micro-batch {m:4d} (chunk {trainer.plan_info.chunk}): "
+            + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in seconds.items())
+            + f"; trainer/optax.microbatch {ratio:.2f} (goal <= {GOALS[m]})"
+        )
+    out = write_result(args.out, {"target_batch_size": T, "optimizer": "adam", "cases": results})
+    plot(results, out.with_suffix(".png"))
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["trainer", "trainer_device", "trainer_chunk1", "optax_microbatch", "full_batch"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.16
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(results))]
+        ax.bar(xs, [r["ms_per_update"][name] for r in results.values()], width, label=name)
+    ax.set_xticks([j + 2 * width for j in range(len(results))])
+    ax.set_xticklabels([f"micro-batch {m}" for m in results])
+    ax.set_ylabel("ms per update (T = 1024, Adam)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""What a plan is: the size in use, the trials that decided it, and the arithmetic of both.
+
+`Plan` and `SizeTrial` are the values `jax_adaptive.AdaptiveTrainer` reports;
+`least_padding_size` and `chunk_length` are the pure rules the planner applies to the
+largest size that fits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+from jax_adaptive.memory import Ledger
+
+__all__ = ["Objective", "Plan", "SizeTrial", "chunk_length", "least_padding_size"]
+
+DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
+Objective = Literal["least_padding", "max", "throughput"]
+
+
+class SizeTrial(NamedTuple):
+    """One decision of whether a micro-batch size fits.
+
+    Attributes:
+        size: the micro-batch size.
+        fits: the answer.
+        estimated_bytes: the peak the ledger gives the size (None if it did not
+            compile): the sum of the three parts below.
+        seconds: what deciding cost (compile, run).
+        decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
+            ``"cache"`` (a size measured before), ``"compile"`` (compiling ran out of
+            memory), ``"run"`` (a real run ran out of memory), ``"learned"`` (the peak
+            is above the capacity learned from real out-of-memory errors), ``"plan
+            cache"`` (a plan a run of the same job stored; its first run is still
+            guarded).
+        reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
+        state_bytes: the resident train state, accumulator and totals.
+        in_flight_bytes: the inputs and new outputs of the micro-steps in flight.
+        program_bytes: the micro-step's temporaries and code.
+    """
+
+    size: int
+    fits: bool
+    estimated_bytes: int | None
+    seconds: float
+    decided_by: DecidedBy
+    reason: str
+    state_bytes: int | None = None
+    in_flight_bytes: int | None = None
+    program_bytes: int | None = None
+
+
+class Plan(NamedTuple):
+    """The size in use and what it costs.
+
+    Attributes:
+        micro_batch_size: the size.
+        accumulation_steps: micro-steps per update.
+        ledger: everything live while it runs (None before it was measured: a fixed
+            size or a plan from the cache, until its first compile).
+        capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
+        chunk: micro-steps per dispatch (`chunk_length`), the ledger the chunk's; None
+            until the size's first update decides it.
+        largest: the largest size that fits, which ``objective="least_padding"`` (the
+            default) trims to the same micro-steps with the least padding (None: not
+            searched, a fixed size or a plan from the cache).
+    """
+
+    micro_batch_size: int
+    accumulation_steps: int
+    ledger: Ledger | None
+    capacity: int | None
+    chunk: int | None = None
+    largest: int | None = None
+
+
+def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 1) -> int:
+    """The size with the fewest micro-steps ``largest`` allows, and the least padding.
+
+    With ``k = ceil(T / largest)`` micro-steps, ``ceil(T / k)`` rounded up to
+    ``multiple_of`` pads the last micro-batch the least; it never exceeds ``largest``.
+
+    Example:
+        >>> least_padding_size(4096, 1342)  # 4 micro-steps of 1024, not 1342 x 4
+        1024
+        >>> least_padding_size(100, 48, multiple_of=8)  # 3 x 40 would pad 20; 3 x 34 -> 40
+        40
+    """
+    steps = math.ceil(target_batch_size / largest)
+    size = -(-math.ceil(target_batch_size / steps) // multiple_of) * multiple_of
+    return min(size, largest)
+
+
+def chunk_length(steps: int, most: int) -> int:
+    """Micro-steps per dispatch: the fewest dispatches for ``steps``, at most ``most`` each.
+
+    An update runs ``steps // c`` chunks of ``c`` and then ``steps % c`` single
+    micro-steps; of the lengths with the fewest dispatches, the shortest (the least
+    memory in flight).
+
+    Example:
+        >>> chunk_length(128, 16), chunk_length(7, 16), chunk_length(10, 4), chunk_length(5, 1)
+        (16, 7, 3, 1)
+    """
+    most = max(1, min(most, steps))
+    return min(range(1, most + 1), key=lambda c: (steps // c + steps % c, c))

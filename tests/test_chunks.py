@@ -1,0 +1,169 @@
+"""Chunks of micro-steps in one dispatch, and the default plan with the least padding.
+
+References: the plain full-batch optax step (exactness), every chunk's and size's ledger
+brute-forced against the limit (the choice), and one dispatch per micro-step (the
+random keys a chunk's micro-steps see).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
+from helpers import regression_batches as batches_of
+
+import jax_adaptive as ja
+from jax_adaptive.testing import inject_oom
+
+T = 12
+
+
+def train(trainer, batches, params=None):
+    state = trainer.init(mlp_params() if params is None else params, batches[0])
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+    return state, metrics
+
+
+@pytest.mark.parametrize("micro", [1, 2, 5, 7])  # 5 and 7 leave a padded last micro-batch
+@pytest.mark.parametrize("chunk", [2, 3, "auto"])
+def test_chunks_equal_the_full_batch_step(micro, chunk):
+    batches = batches_of(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=micro, chunk=chunk
+    )
+    state, metrics = train(trainer, batches)
+    steps = math.ceil(T / micro)
+    assert trainer.plan_info.chunk == (steps if chunk == "auto" else min(chunk, steps))
+    assert metrics["accumulation_steps"] == steps
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+    assert int(state.updates) == 3
+
+
+def dropout_loss(params, batch, rng):
+    keep = jax.random.bernoulli(rng, 0.7, batch["y"].shape[:1])
+    return mlp_loss(params, batch, rng) * (0.5 + keep)
+
+
+def test_a_chunks_micro_steps_see_the_keys_they_see_dispatched_one_by_one():
+    batches = batches_of(2, T)
+    states = [
+        train(
+            ja.AdaptiveTrainer(
+                dropout_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=5, chunk=c
+            ),
+            batches,
+        )[0]
+        for c in (1, "auto")
+    ]
+    assert_trees_close(states[0].params, states[1].params, 1e-6)
+    # and the keys matter: another rng gives other parameters
+    other = ja.AdaptiveTrainer(
+        dropout_loss, optax.sgd(0.1), target_batch_size=T, micro_batch_size=5
+    )
+    state = other.init(mlp_params(), batches[0], rng=jax.random.key(7))
+    for batch in batches:
+        state, _ = other.step(state, batch)
+    assert not jnp.allclose(state.params["w2"], states[0].params["w2"])
+
+
+def test_the_chunk_is_the_fewest_dispatches_the_limit_allows():
+    T48, micro = 48, 4  # 12 micro-steps
+    batches = batches_of(2, T48)
+    probe = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T48, micro_batch_size=micro, chunk=1
+    )
+    probe.init(mlp_params(), batches[0])
+    ledgers = {c: probe.ledger(micro, chunk=c).total for c in range(1, 13)}
+    limit = ledgers[1] + (ledgers[12] - ledgers[1]) * 2 // 5
+    fitting = [c for c, total in ledgers.items() if total <= limit]
+    expected = min(fitting, key=lambda c: (12 // c + 12 % c, c))  # brute force
+    assert 1 < expected < 12
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss,
+        optax.adam(1e-2),
+        target_batch_size=T48,
+        micro_batch_size=micro,
+        memory_limit=limit,
+    )
+    state, _ = train(trainer, batches)
+    assert trainer.plan_info.chunk == expected
+    assert trainer.plan_info.ledger.total == ledgers[expected] <= limit
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_an_out_of_memory_in_a_chunk_costs_the_chunk_and_runs_one_micro_step_per_dispatch():
+    batches = batches_of(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=2
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    assert trainer.plan_info.chunk is None  # decided at the first update
+    state, _ = trainer.step(state, batches[0])
+    assert trainer.plan_info.chunk == 6  # the whole update in one dispatch
+    with inject_oom(trainer, executions={1}) as faults:  # the second update's chunk
+        for batch in batches[1:]:
+            state, metrics = trainer.step(state, batch)
+    assert faults.injected == [(1, 2)]
+    assert trainer.plan_info.chunk == 1 and metrics["micro_batch_size"] == 2
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def ledgers48():
+    """Brute force: the ledger of every size 1..48, each from its own compile."""
+    probe = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=48, micro_batch_size=1)
+    probe.init(mlp_params(), batches_of(1, 48)[0])
+    return {s: probe.ledger(s).total for s in range(1, 49)}
+
+
+@pytest.mark.parametrize("multiple_of", [1, 4])
+def test_the_default_plan_has_the_fewest_micro_steps_and_the_least_padding(multiple_of, ledgers48):
+    T48, ledgers = 48, ledgers48
+    batches = batches_of(2, T48)
+    limit = ledgers[13]  # the largest size that fits: 13, four micro-steps
+    largest = max(s for s, total in ledgers.items() if total <= limit)
+    assert largest == 13
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss,
+        optax.adam(1e-2),
+        target_batch_size=T48,
+        memory_limit=limit,
+        multiple_of=multiple_of,
+        plan_cache=False,
+    )
+    state, metrics = train(trainer, batches)
+    steps = math.ceil(T48 / largest)  # 4
+    expected = -(-math.ceil(T48 / steps) // multiple_of) * multiple_of  # 12 either way
+    if multiple_of == 4:  # the search's largest multiple of 4 is 12
+        assert trainer.plan_info.largest == 12
+    else:
+        assert trainer.plan_info.largest == largest
+    assert trainer.micro_batch_size == expected == 12 and metrics["accumulation_steps"] == steps
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_objective_max_keeps_the_largest_size(ledgers48):
+    batches = batches_of(1, 48)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss,
+        optax.adam(1e-2),
+        target_batch_size=48,
+        memory_limit=ledgers48[13],
+        objective="max",
+        plan_cache=False,
+    )
+    trainer.init(mlp_params(), batches[0])
+    assert trainer.micro_batch_size == trainer.plan_info.largest == 13
+
+
+@pytest.mark.parametrize("chunk", [0, -1, "x", 1.5, True])
+def test_a_bad_chunk_is_refused_in_one_line(chunk):
+    with pytest.raises(ValueError, match="chunk"):
+        ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, chunk=chunk)
