@@ -47,11 +47,13 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
+    learned_capacity,
     memory_report,
     tree_bytes,
+    usable_capacity,
 )
 from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import Plan, SizeTrial, least_padding_size
+from jax_adaptive.plan import Plan, SizeTrial, least_padding_size, record_trial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.update import StateLostError
@@ -216,11 +218,7 @@ class AdaptiveStep:
         ``bytes_limit`` less ``headroom`` less what other arrays held when the plan
         was made.
         """
-        caps = [] if self.memory_limit is None else [self.memory_limit]
-        device_bytes = device_capacity(self.device)
-        if device_bytes is not None:
-            caps.append(int(device_bytes * (1.0 - self.headroom)) - self._others)
-        return min(caps) if caps else None
+        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
         """Changes the cap: a lower one applies at the next call, a higher one re-plans there.
@@ -457,18 +455,8 @@ class AdaptiveStep:
         return size
 
     def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        parts = (
-            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
-        )
-        total = ledger.total if isinstance(ledger, Ledger) else ledger
-        self.search_log.append(SizeTrial(size, fits, total, seconds, decided_by, reason, *parts))
-        log.info(
-            "step at micro-batch %d %s (%s, %s bytes)",
-            size,
-            "fits" if fits else "does not fit",
-            decided_by,
-            f"{total:,}" if total is not None else "?",
-        )
+        trial = (size, fits, ledger, seconds, decided_by, reason)
+        record_trial(self.search_log, "step at micro-batch", *trial)
 
     # ------------------------------------------------------------ the guarded call
 
@@ -555,12 +543,8 @@ class AdaptiveStep:
         self._oom_streak += 1
         if real and peak is not None:
             self._real_ooms += 1
-            cap = (
-                min(int(peak * (1.0 - self.headroom)), peak - 1)
-                if self._real_ooms == 1
-                else peak // 2
-            )
-            self._learned_cap = min(cap, self._learned_cap or cap)
+            first = self._real_ooms == 1
+            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
         try:
             if size <= self.multiple_of:
                 raise NothingFitsError(size, [], detail=f"it ran out of memory: {exc}")

@@ -44,11 +44,13 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
+    learned_capacity,
     memory_report,
     tree_bytes,
+    usable_capacity,
 )
 from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import SizeTrial, least_padding_size
+from jax_adaptive.plan import SizeTrial, least_padding_size, record_trial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 
@@ -455,11 +457,7 @@ class Evaluator:
             >>> ja.Evaluator(lambda p, b: b, memory_limit=10**6).capacity()
             1000000
         """
-        caps = [] if self.memory_limit is None else [self.memory_limit]
-        device_bytes = device_capacity(self.device)
-        if device_bytes is not None:
-            caps.append(int(device_bytes * (1.0 - self.headroom)) - self._others)
-        return min(caps) if caps else None
+        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
     def _guide_capacity(self) -> int | None:
         caps = (self.capacity(), self._learned_cap)
@@ -597,8 +595,8 @@ class Evaluator:
         self._log(size, False, peak, 0.0, "run" if real else "estimate", self._mode)
         log.warning("%s batch %d ran out of memory (%s)", self._mode, size, exc)
         if real and peak is not None:
-            cap = min(int(peak * (1.0 - self.headroom)), peak - 1) if streak == 1 else peak // 2
-            self._learned_cap = min(cap, self._learned_cap or cap)
+            first = streak == 1
+            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
         try:
             if size == 1:
                 raise NothingFitsError(1, [], detail=f"a {self._mode} batch of 1 ran out of memory")
@@ -612,18 +610,8 @@ class Evaluator:
         return self._trimmed(largest, examples)
 
     def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        parts = (
-            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
-        )
-        total = ledger.total if isinstance(ledger, Ledger) else ledger
-        self.search_log.append(SizeTrial(size, fits, total, seconds, decided_by, reason, *parts))
-        log.info(
-            "evaluation batch %d %s (%s, %s bytes)",
-            size,
-            "fits" if fits else "does not fit",
-            decided_by,
-            f"{total:,}" if total is not None else "?",
-        )
+        trial = (size, fits, ledger, seconds, decided_by, reason)
+        record_trial(self.search_log, "evaluation batch", *trial)
 
 
 def _check_positive(name: str, value: Any) -> int:

@@ -32,8 +32,10 @@ __all__ = [
     "device_bytes_in_use",
     "device_capacity",
     "estimate_peak_bytes",
+    "learned_capacity",
     "memory_report",
     "tree_bytes",
+    "usable_capacity",
 ]
 
 
@@ -174,6 +176,46 @@ def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
         True
     """
     return _stat(device, "bytes_in_use")
+
+
+def usable_capacity(
+    memory_limit: int | None, device: jax.Device | None, headroom: float, others: int = 0
+) -> int | None:
+    """Returns the bytes a ledger may reach, or None where nothing says (a CPU, no cap).
+
+    The smaller of ``memory_limit`` (compared exactly: no headroom applies to it) and,
+    where the device says (a GPU), its capacity less the ``headroom`` fraction less
+    ``others``, the bytes other live arrays held when the plan was made.
+
+    Example:
+        >>> import jax
+        >>> usable_capacity(10**6, jax.devices("cpu")[0], headroom=0.1)
+        1000000
+        >>> usable_capacity(None, jax.devices("cpu")[0], headroom=0.1) is None
+        True
+    """
+    caps = [] if memory_limit is None else [memory_limit]
+    device_bytes = device_capacity(device)
+    if device_bytes is not None:
+        caps.append(int(device_bytes * (1.0 - headroom)) - others)
+    return min(caps) if caps else None
+
+
+def learned_capacity(peak: int, headroom: float, first: bool, known: int | None = None) -> int:
+    """Returns the capacity a real out-of-memory at a ledger of ``peak`` bytes teaches.
+
+    The ledger was optimistic: the first failure in a row puts the capacity below the
+    peak by ``headroom``; a further one halves the peak (it is then no guide). Never
+    above ``known``, a capacity learned before.
+
+    Example:
+        >>> learned_capacity(1000, 0.1, first=True)
+        900
+        >>> learned_capacity(1000, 0.1, first=False, known=600)
+        500
+    """
+    cap = min(int(peak * (1.0 - headroom)), peak - 1) if first else peak // 2
+    return cap if known is None else min(cap, known)
 
 
 def _stat(device: jax.Device | None, name: str) -> int | None:

@@ -28,10 +28,19 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
+    learned_capacity,
     tree_bytes,
+    usable_capacity,
 )
 from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import Objective, Plan, SizeTrial, chunk_length, least_padding_size
+from jax_adaptive.plan import (
+    Objective,
+    Plan,
+    SizeTrial,
+    chunk_length,
+    least_padding_size,
+    record_trial,
+)
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError, search_max_size
 from jax_adaptive.step import TrainState
@@ -112,11 +121,7 @@ class Planner:
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU with no limit)."""
-        caps = [] if self.memory_limit is None else [self.memory_limit]
-        device_bytes = device_capacity(self.device)
-        if device_bytes is not None:
-            caps.append(int(device_bytes * (1.0 - self.headroom)) - self._others)
-        return min(caps) if caps else None
+        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
     def _measure_others(self) -> None:
         in_use = device_bytes_in_use(self.device)
@@ -292,18 +297,8 @@ class Planner:
         )
 
     def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        parts = (
-            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
-        )
-        total = ledger.total if isinstance(ledger, Ledger) else ledger
-        self.search_log.append(SizeTrial(size, fits, total, seconds, decided_by, reason, *parts))
-        log.info(
-            "micro-batch %d %s (%s, %s bytes)",
-            size,
-            "fits" if fits else "does not fit",
-            decided_by,
-            f"{total:,}" if total is not None else "?",
-        )
+        trial = (size, fits, ledger, seconds, decided_by, reason)
+        record_trial(self.search_log, "micro-batch", *trial)
 
     def _guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one or the learned one if lower."""
@@ -451,8 +446,7 @@ class Planner:
         if real:
             self._real_ooms_this_update += 1
             first = self._real_ooms_this_update == 1
-            cap = min(int(peak * (1.0 - self.headroom)), peak - 1) if first else peak // 2
-            self._learned_cap = min(cap, self._learned_cap or cap)
+            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
         try:
             if size <= self.shards:
                 raise self._nothing_fits(size, [], exc) from exc
