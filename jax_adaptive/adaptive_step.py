@@ -47,15 +47,15 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
-    learned_capacity,
     memory_report,
     tree_bytes,
     usable_capacity,
 )
 from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import Plan, SizeTrial, least_padding_size, record_trial
+from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.search import NothingFitsError
+from jax_adaptive.sizing import SizeSearch
 from jax_adaptive.update import StateLostError
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
@@ -176,7 +176,16 @@ class AdaptiveStep:
         self.multiple_of, self.host_backup, self.oom_retries = multiple_of, host_backup, oom_retries
         self.plan_cache = PlanCache.from_arg(plan_cache)
         self.device = device or jax.local_devices()[0]
-        self.search_log: list[SizeTrial] = []
+        self.sizes = SizeSearch(
+            "step at micro-batch",
+            ledger=self.ledger,
+            capacity=self.capacity,
+            known=lambda size: self.memory_model.points.get(size),
+            propose=self._propose,
+            lower=self._lower,
+            headroom=headroom,
+        )
+        self.search_log = self.sizes.search_log
         self.compiles = 0
         self.host_bytes = 0
         self.fault_hook: Any = None
@@ -269,10 +278,7 @@ class AdaptiveStep:
 
     def check(self, size: int) -> None:
         """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
-        capacity = self.capacity()
-        needed = self.ledger(size).total
-        if capacity is not None and needed > capacity:
-            raise SimulatedOutOfMemory(needed, capacity, what=f"step at micro-batch {size}")
+        self.sizes.check(size)
 
     def _lower(self, size: int) -> Any:
         """Builds and traces the step for ``size`` (the user's errors propagate from here)."""
@@ -330,7 +336,7 @@ class AdaptiveStep:
         self._fingerprint: str | None = None
         self.memory_model = MemoryModel()
         self.largest: int | None = None
-        self._learned_cap: int | None = None
+        self.sizes.learned_cap = None
         self._others = 0
         self._oom_streak = 0
         self._replan = False
@@ -344,32 +350,11 @@ class AdaptiveStep:
 
     def _largest(self, *, hi: int, reason: str) -> int:
         """The largest size in ``[multiple_of, hi]`` whose ledger fits, guided by the model."""
-        capacity = self._guide_capacity()
-        propose = self._propose(capacity) if capacity is not None else None
         lo = self.multiple_of
-        try:
-            if hi < lo:
-                raise NothingFitsError(lo, [])
-            result = search_max_size(
-                lambda size: self._fits(size, reason),
-                lo=lo,
-                hi=hi // lo * lo,
-                multiple_of=lo,
-                propose=propose,
-            )
-        except NothingFitsError as exc:
-            needed = self.memory_model.points.get(exc.smallest)
-            raise NothingFitsError(
-                exc.smallest,
-                exc.trials,
-                detail=f"the step at micro-batch {exc.smallest} needs "
-                f"{f'{needed:,}' if needed is not None else '?'} bytes and "
-                f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
-            ) from None
-        self.largest = result.size
+        self.largest = self.sizes.largest(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
         if self.objective == "least_padding":
-            return least_padding_size(self.batch_size, result.size, lo)
-        return result.size
+            return least_padding_size(self.batch_size, self.largest, lo)
+        return self.largest
 
     def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
         """The memory model's guess, from the sizes below the whole batch.
@@ -386,25 +371,6 @@ class AdaptiveStep:
             return MemoryModel(looped).propose(capacity)(good, bad)
 
         return propose
-
-    def _guide_capacity(self) -> int | None:
-        caps = (self.capacity(), self._learned_cap)
-        return min([c for c in caps if c is not None], default=None)
-
-    def _fits(self, size: int, reason: str) -> bool:
-        """Decides one size: compiles it (once), compares its ledger, logs the trial."""
-        start = time.perf_counter()
-        measured = size in self._reports
-        if not measured:
-            self._lower(size)  # the user's step traces here: its errors propagate
-        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
-        decided = "compile" if ledger is None else "cache" if measured else "estimate"
-        if ledger is not None:
-            _, error = catch_oom(lambda: self.check(size))
-            if error is None and self._learned_cap is not None and ledger.total > self._learned_cap:
-                decided, error = "learned", "above the capacity learned from real runs"
-        self._log(size, error is None, ledger, time.perf_counter() - start, decided, reason)
-        return error is None
 
     def _use(self, size: int) -> None:
         """Takes ``size``, stores it in the plan cache, releases other sizes' programs."""
@@ -451,12 +417,8 @@ class AdaptiveStep:
             return None
         size = entry["micro_batch_size"]
         seconds = time.perf_counter() - start
-        self._log(size, True, entry.get("estimated_bytes"), seconds, "plan cache", "init")
+        self.sizes.record(size, True, entry.get("estimated_bytes"), seconds, "plan cache", "init")
         return size
-
-    def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        trial = (size, fits, ledger, seconds, decided_by, reason)
-        record_trial(self.search_log, "step at micro-batch", *trial)
 
     # ------------------------------------------------------------ the guarded call
 
@@ -536,15 +498,14 @@ class AdaptiveStep:
         """
         real = not isinstance(exc, SimulatedOutOfMemory)
         peak = self.memory_model.points.get(size)
-        self._log(size, False, peak, 0.0, "run" if real else "estimate", "call")
+        self.sizes.record(size, False, peak, 0.0, "run" if real else "estimate", "call")
         log.warning(
             "step at micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated"
         )
         self._oom_streak += 1
         if real and peak is not None:
             self._real_ooms += 1
-            first = self._real_ooms == 1
-            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
+            self.sizes.learn(peak, first=self._real_ooms == 1)
         try:
             if size <= self.multiple_of:
                 raise NothingFitsError(size, [], detail=f"it ran out of memory: {exc}")

@@ -44,15 +44,15 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
-    learned_capacity,
     memory_report,
     tree_bytes,
     usable_capacity,
 )
 from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import SizeTrial, least_padding_size, record_trial
+from jax_adaptive.plan import least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.search import NothingFitsError
+from jax_adaptive.sizing import SizeSearch
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]
 
@@ -235,7 +235,15 @@ class Evaluator:
         self.plan_cache = PlanCache.from_arg(plan_cache)
         self.device = device or jax.local_devices()[0]
         self.progress = progress
-        self.search_log: list[SizeTrial] = []
+        self.sizes = SizeSearch(
+            "evaluation batch of",
+            ledger=self.ledger,
+            capacity=self.capacity,
+            known=lambda size: self._bound.memory_model.points.get(size),
+            propose=lambda capacity: self._bound.memory_model.propose(capacity),
+            headroom=headroom,
+        )
+        self.search_log = self.sizes.search_log
         self.compiles = 0
         self.batch_size: int | None = None
         self.largest: int | None = None
@@ -245,7 +253,6 @@ class Evaluator:
         self._mode: _Mode = "evaluate"
         self._hi = 0  # the upper bound of the current run's sizes
         self._others = 0  # bytes other live arrays held on the device at the last plan
-        self._learned_cap: int | None = None  # below the peaks that really failed
 
     # ------------------------------------------------------------ running
 
@@ -343,7 +350,7 @@ class Evaluator:
 
     def _execute(self, size: int, params: Any, piece: MicroBatch) -> Any:
         """Runs one batch and brings its outputs to the host; an out-of-memory raises here."""
-        self._check(size)
+        self.sizes.check(size)
         compiled = self._program(size).compiled
         if self.fault_hook is not None:
             self.fault_hook.before_execution(size, ())
@@ -459,16 +466,6 @@ class Evaluator:
         """
         return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
-    def _guide_capacity(self) -> int | None:
-        caps = (self.capacity(), self._learned_cap)
-        return min([c for c in caps if c is not None], default=None)
-
-    def _check(self, size: int) -> None:
-        """Raises the simulated out-of-memory when the ledger exceeds the capacity."""
-        capacity, needed = self.capacity(), self.ledger(size).total
-        if capacity is not None and needed > capacity:
-            raise SimulatedOutOfMemory(needed, capacity, what=f"{self._mode} batch of {size}")
-
     def _plan(self, hi: int) -> int:
         """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
         bound = self._bound
@@ -540,48 +537,14 @@ class Evaluator:
             return None
         size = entry["micro_batch_size"]
         seconds = time.perf_counter() - start
-        self._log(size, True, entry.get("estimated_bytes"), seconds, "plan cache", self._mode)
+        self.sizes.record(
+            size, True, entry.get("estimated_bytes"), seconds, "plan cache", self._mode
+        )
         return size
-
-    def _fits(self, size: int, reason: str) -> bool:
-        """Decides one size: compiles it (once ever), compares its ledger, logs it."""
-        start = time.perf_counter()
-        measured = size in self._bound.reports
-        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
-        decided = "compile" if ledger is None else "cache" if measured else "estimate"
-        if ledger is not None:
-            _, error = catch_oom(lambda: self._check(size))
-            if error is None and self._learned_cap is not None and ledger.total > self._learned_cap:
-                decided, error = "learned", "above the learned capacity"
-        self._log(size, error is None, ledger, time.perf_counter() - start, decided, reason)
-        return error is None
 
     def _search(self, hi: int, reason: str) -> int:
         """The largest size in ``[1, hi]`` whose ledger fits, multiples of ``multiple_of`` first."""
-        capacity = self._guide_capacity()
-        model = self._bound.memory_model
-        propose = model.propose(capacity) if capacity is not None else None
-        multiple = self.multiple_of if hi >= self.multiple_of else 1
-
-        def fits(size: int) -> bool:
-            return self._fits(size, reason)
-
-        try:
-            try:
-                return search_max_size(fits, hi=hi, multiple_of=multiple, propose=propose).size
-            except NothingFitsError:
-                if multiple == 1:
-                    raise
-                return search_max_size(fits, hi=multiple - 1, propose=propose).size
-        except NothingFitsError as exc:
-            needed = model.points.get(exc.smallest)
-            raise NothingFitsError(
-                exc.smallest,
-                exc.trials,
-                detail=f"an evaluation batch of {exc.smallest} needs "
-                f"{f'{needed:,}' if needed is not None else '?'} bytes (estimate) and "
-                f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
-            ) from None
+        return self.sizes.largest(hi=hi, reason=reason, multiple_of=self.multiple_of)
 
     def _shrink(self, exc: BaseException, size: int, streak: int, examples: _Examples) -> int:
         """The size to run the same examples at after ``size`` ran out of memory.
@@ -592,11 +555,10 @@ class Evaluator:
         """
         real = not isinstance(exc, SimulatedOutOfMemory)
         peak = self._bound.memory_model.points.get(size)
-        self._log(size, False, peak, 0.0, "run" if real else "estimate", self._mode)
+        self.sizes.record(size, False, peak, 0.0, "run" if real else "estimate", self._mode)
         log.warning("%s batch %d ran out of memory (%s)", self._mode, size, exc)
         if real and peak is not None:
-            first = streak == 1
-            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
+            self.sizes.learn(peak, first=streak == 1)
         try:
             if size == 1:
                 raise NothingFitsError(1, [], detail=f"a {self._mode} batch of 1 ran out of memory")
@@ -608,10 +570,6 @@ class Evaluator:
         self.largest = largest
         self._use(self._hi, largest)
         return self._trimmed(largest, examples)
-
-    def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        trial = (size, fits, ledger, seconds, decided_by, reason)
-        record_trial(self.search_log, "evaluation batch", *trial)
 
 
 def _check_positive(name: str, value: Any) -> int:

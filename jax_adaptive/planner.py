@@ -28,21 +28,14 @@ from jax_adaptive.memory import (
     MemoryModel,
     device_bytes_in_use,
     device_capacity,
-    learned_capacity,
     tree_bytes,
     usable_capacity,
 )
 from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import (
-    Objective,
-    Plan,
-    SizeTrial,
-    chunk_length,
-    least_padding_size,
-    record_trial,
-)
+from jax_adaptive.plan import Objective, Plan, chunk_length, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.search import NothingFitsError
+from jax_adaptive.sizing import SizeSearch
 from jax_adaptive.step import TrainState
 
 __all__ = ["Planner"]
@@ -68,6 +61,7 @@ class Planner:
 
     Attributes:
         search_log: every `SizeTrial`.
+        sizes: the `jax_adaptive.sizing.SizeSearch` deciding which sizes fit.
         throughput_log: the timed candidates of ``objective="throughput"``.
         memory_model: the `jax_adaptive.MemoryModel` of every size measured.
     """
@@ -103,7 +97,16 @@ class Planner:
         self.oom_retries, self.multiple_of, self.shards = oom_retries, multiple_of, shards
         self.plan_cache, self.objective, self.device = plan_cache, objective, device
         self.memory_model = MemoryModel(prior=memory_prior)
-        self.search_log: list[SizeTrial] = []
+        self.sizes = SizeSearch(
+            "micro-step of",
+            ledger=self.ledger,
+            capacity=self.capacity,
+            known=lambda size: self.memory_model.points.get(size),
+            propose=lambda capacity: self.memory_model.propose(capacity),
+            lower=self.executables.lower,
+            headroom=headroom,
+        )
+        self.search_log = self.sizes.search_log
         self.throughput_log: list[dict[str, float]] = []
         self.size: int | None = None
         self.chunk_limit = chunk
@@ -111,7 +114,6 @@ class Planner:
         self.largest: int | None = None  # the largest size that fits, when searched
         self._generation = 0  # the executables' binding the memory model measured
         self._others = 0  # bytes other live arrays held on the device at the last plan
-        self._learned_cap: int | None = None  # below the peaks that really failed
         self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
         self._real_ooms_this_update = 0
         self._limit_raised = False
@@ -138,11 +140,11 @@ class Planner:
 
     def check(self, size: int, chunk: int = 1) -> None:
         """Raises the simulated out-of-memory when the program's peak exceeds the capacity."""
-        capacity = self.capacity()
-        needed = self.ledger(size, chunk).total
+        if chunk == 1:
+            return self.sizes.check(size)
+        capacity, needed = self.capacity(), self.ledger(size, chunk).total
         if capacity is not None and needed > capacity:
-            what = f"micro-step of {size}" if chunk == 1 else f"chunk of {chunk} x {size}"
-            raise SimulatedOutOfMemory(needed, capacity, what=what)
+            raise SimulatedOutOfMemory(needed, capacity, what=f"chunk of {chunk} x {size}")
 
     def optimizer_step(self) -> tuple[Executable, bool]:
         """The optimizer step to use, and whether it donates the state.
@@ -231,7 +233,7 @@ class Planner:
             return chunk_length(steps, self.chunk_limit)
         if steps == 1 or self.executables.data is not None:  # under a mesh: one at a time
             return 1
-        capacity, most = self._guide_capacity(), steps
+        capacity, most = self.sizes.guide_capacity(), steps
         if capacity is not None:
             base, error = catch_oom(lambda: self.ledger(size))
             if error is not None:
@@ -279,7 +281,7 @@ class Planner:
         if entry is None:
             return None
         size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
-        self._log(size, True, estimate, time.perf_counter() - start, "plan cache", "init")
+        self.sizes.record(size, True, estimate, time.perf_counter() - start, "plan cache", "init")
         return size
 
     def _store_plan(self) -> None:
@@ -296,30 +298,6 @@ class Planner:
             },
         )
 
-    def _log(self, size, fits, ledger, seconds, decided_by, reason) -> None:
-        trial = (size, fits, ledger, seconds, decided_by, reason)
-        record_trial(self.search_log, "micro-batch", *trial)
-
-    def _guide_capacity(self) -> int | None:
-        """The capacity the search aims under: the real one or the learned one if lower."""
-        return min([c for c in (self.capacity(), self._learned_cap) if c is not None], default=None)
-
-    def _fits(self, size: int, reason: str) -> bool:
-        """Decides one size: compiles it (once ever), compares its ledger, logs it."""
-        start = time.perf_counter()
-        measured = size in self.memory_model.points
-        if not measured:
-            self.executables.lower(size)  # the user's loss traces here: its errors propagate
-        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
-        decided = "compile" if ledger is None else "cache" if measured else "estimate"
-        if ledger is not None:
-            _, error = catch_oom(lambda: self.check(size))
-            if error is None and self._learned_cap is not None:
-                if ledger.total > self._learned_cap:
-                    decided, error = "learned", "above the learned capacity"
-        self._log(size, error is None, ledger, time.perf_counter() - start, decided, reason)
-        return error is None
-
     def _search(self, *, hi: int, reason: str, lo: int = 1) -> int:
         """The largest size in [lo, hi] whose ledger fits, guided by the memory model.
 
@@ -327,39 +305,9 @@ class Planner:
         none fits. The capacity learned from real out-of-memory errors guides the search
         but never makes a run fail: only a real run says a size does not fit.
         """
-        capacity = self._guide_capacity()
-        propose = self.memory_model.propose(capacity) if capacity is not None else None
-        least = self.shards
-        preferred = math.lcm(self.multiple_of, least)
-        multiple = preferred if hi // preferred * preferred >= max(lo, least) else least
-
-        def fits(size: int) -> bool:
-            return self._fits(size, reason)
-
-        try:
-            try:
-                return search_max_size(
-                    fits, lo=max(lo, least), hi=hi, multiple_of=multiple, propose=propose
-                ).size
-            except NothingFitsError:
-                if multiple == least or lo >= multiple:
-                    raise
-                return search_max_size(
-                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
-                ).size
-        except NothingFitsError as exc:
-            raise self._nothing_fits(exc.smallest, exc.trials, exc) from None
-
-    def _nothing_fits(self, size: int, trials: list, cause: Exception | None) -> NothingFitsError:
-        """The one error for a size that does not fit, with the bytes it needs."""
-        needed = self.memory_model.points.get(size)
-        capacity = self._guide_capacity()
-        return NothingFitsError(
-            size,
-            trials,
-            detail=f"a micro-step of {size} needs "
-            f"{f'{needed:,}' if needed is not None else '?'} bytes (estimate) and "
-            f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
+        multiple = math.lcm(self.multiple_of, self.shards)
+        return self.sizes.largest(
+            hi=hi, reason=reason, lo=lo, multiple_of=multiple, least=self.shards
         )
 
     def _fastest(self, state: TrainState, largest: int) -> int:
@@ -373,7 +321,7 @@ class Planner:
         fewest = (min(largest, -(-math.ceil(T / j) // shards) * shards) for j in range(k, k + 3))
         timings = {}
         for size in sorted({largest, *fewest}, reverse=True):
-            capacity = self._guide_capacity()
+            capacity = self.sizes.guide_capacity()
             if capacity is not None and self.ledger(size).total > capacity:
                 continue
             seconds, error = catch_oom(
@@ -403,7 +351,7 @@ class Planner:
         self._limit_raised = False
         self._updates_since_grow = 0
         if periodic:
-            self._learned_cap = None  # memory may have come back: let real runs decide
+            self.sizes.learned_cap = None  # memory may have come back: let real runs decide
         self._measure_others()
         try:
             grown = self._search(lo=self.size, hi=self.target_batch_size, reason="grow")
@@ -440,16 +388,15 @@ class Planner:
         peak = self.memory_model.points.get(size)
         if peak is None:
             peak = self.ledger(size).total
-        self._log(size, False, peak, 0.0, "run" if real else "estimate", "step")
+        self.sizes.record(size, False, peak, 0.0, "run" if real else "estimate", "step")
         log.warning("micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated")
         self._oom_streak += 1
         if real:
             self._real_ooms_this_update += 1
-            first = self._real_ooms_this_update == 1
-            self._learned_cap = learned_capacity(peak, self.headroom, first, self._learned_cap)
+            self.sizes.learn(peak, first=self._real_ooms_this_update == 1)
         try:
             if size <= self.shards:
-                raise self._nothing_fits(size, [], exc) from exc
+                raise self.sizes.nothing_fits(size, []) from exc
             reason = f"out of memory at size {size}"
             self.largest = process_min(self._search(hi=size - 1, reason=reason))
             self._use(self._trimmed(self.largest))

@@ -188,7 +188,7 @@ def test_nothing_fits_names_the_bytes():
     trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, oom_retries=2)
     state = trainer.init(mlp_params(), batches[0])
     with inject_oom(trainer, executions=range(1, 10**6)):
-        with pytest.raises(ja.NothingFitsError, match=r"a micro-step of 1 needs [\d,]+ bytes"):
+        with pytest.raises(ja.NothingFitsError, match=r"the micro-step of 1 needs [\d,]+ bytes"):
             trainer.step(state, batches[0])
     # the state is intact: it trains on once memory is back
     state, metrics = trainer.step(state, batches[0])
