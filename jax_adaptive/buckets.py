@@ -351,8 +351,19 @@ class BucketedTrainer:
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of sequences, bucketed by `bucket_batches`.
 
+        Args:
+            state: from `init`.
+            sequences: dicts of per-sequence arrays (``mask_key`` marks real tokens).
+            num_updates: stop after this many updates (None: when the stream ends).
+            on_update: called as ``on_update(update, metrics)`` after each update.
+
         Returns:
             The state and one metrics dict (host values) per update.
+
+        Raises:
+            FitError: any error part-way (a sequence longer than every bucket, say), as
+                its ``__cause__``, with ``.state`` (the last good state) and ``.history``
+                (the metrics of the updates done), as `jax_adaptive.AdaptiveTrainer.fit`.
         """
         sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
         batches = bucket_batches(sequences, sizes, self.mask_key)

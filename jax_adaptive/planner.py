@@ -205,8 +205,12 @@ class Planner:
         """The size the objective takes below the largest that fits (`least_padding_size`)."""
         if self.objective != "least_padding":
             return largest
-        multiple = math.lcm(self.multiple_of, self.shards)
-        return least_padding_size(self.target_batch_size, largest, multiple)
+        return least_padding_size(self.target_batch_size, largest, self._multiple)
+
+    @property
+    def _multiple(self) -> int:
+        """What every size should be a multiple of: ``multiple_of`` and the data shards."""
+        return math.lcm(self.multiple_of, self.shards)
 
     def _use(self, size: int) -> None:
         """Takes ``size`` and its chunk, stores it under the live key, frees other sizes."""
@@ -268,7 +272,8 @@ class Planner:
             target_batch_size=self.target_batch_size,
             objective=self.objective,
             example=str(self.executables.example),
-            micro_step=self.executables.fingerprint(self.shards),
+            # at a size every model accepts (ghost batches need a multiple of the group)
+            micro_step=self.executables.fingerprint(min(self._multiple, self.target_batch_size)),
             jax=jax.__version__,
         )
 
@@ -305,9 +310,8 @@ class Planner:
         none fits. The capacity learned from real out-of-memory errors guides the search
         but never makes a run fail: only a real run says a size does not fit.
         """
-        multiple = math.lcm(self.multiple_of, self.shards)
         return self.sizes.largest(
-            hi=hi, reason=reason, lo=lo, multiple_of=multiple, least=self.shards
+            hi=hi, reason=reason, lo=lo, multiple_of=self._multiple, least=self.shards
         )
 
     def _fastest(self, state: TrainState, largest: int) -> int:
@@ -316,9 +320,11 @@ class Planner:
         Candidates: ``largest`` and ``ceil(T / k)`` for the three smallest ``k`` it
         allows (the same micro-steps with less padding, or one or two more).
         """
-        T, shards = self.target_batch_size, self.shards
+        T, multiple = self.target_batch_size, self._multiple
         k = math.ceil(T / largest)
-        fewest = (min(largest, -(-math.ceil(T / j) // shards) * shards) for j in range(k, k + 3))
+        fewest = (
+            min(largest, -(-math.ceil(T / j) // multiple) * multiple) for j in range(k, k + 3)
+        )
         timings = {}
         for size in sorted({largest, *fewest}, reverse=True):
             capacity = self.sizes.guide_capacity()

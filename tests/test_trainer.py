@@ -355,6 +355,22 @@ def test_the_throughput_objective_times_the_candidates_and_stays_exact(estimates
         ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T, objective="fast")
 
 
+def test_the_throughput_objective_times_only_multiples_of_multiple_of(estimates):
+    # largest even size under the limit: 6 (k = 2); candidates ceil(12/2)=6, ceil(12/3)=4
+    # and ceil(12/4)=3, which rounds up to 4: an odd size would break ghost batches of 2.
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss,
+        optax.adam(1e-2),
+        target_batch_size=T,
+        memory_limit=estimates[7],
+        multiple_of=2,
+        objective="throughput",
+    )
+    trainer.init(mlp_params(), regression_batches(1, T)[0])
+    assert {entry["size"] for entry in trainer.throughput_log} == {6, 4}
+    assert trainer.micro_batch_size in (6, 4)
+
+
 def test_planning_again_for_another_shape_drops_the_old_shapes_programs():
     def loss(params, batch, rng):
         return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2, axis=1)
