@@ -1,10 +1,12 @@
 """Several devices and several processes: the data mesh, sharded micro-batches, agreement.
 
-Data parallelism is JAX's own SPMD: the micro-step is compiled once for a
-``NamedSharding`` that splits the micro-batch over the mesh's data axis, and XLA inserts
-the gradient reduction. The searched size is per device (XLA's memory analysis of an
-SPMD program is per device), so the global micro-batch is a multiple of the number of
-data shards.
+Data parallelism: the micro-step is compiled once for a ``NamedSharding`` that splits
+the micro-batch over the mesh's data axis. Each device accumulates the gradient of its
+own rows and the optimizer step sums the devices' accumulators, one reduction per update
+(`jax_adaptive.step.per_device`); a loss with model state keeps JAX's SPMD micro-step,
+where XLA inserts the reduction in every micro-step. The searched size is per device
+(XLA's memory analysis of an SPMD program is per device), so the global micro-batch is
+a multiple of the number of data shards.
 
 Under ``jax.distributed`` every process runs the same program and must take the same
 decisions at the same moment, else one waits in a collective the others never reach.
@@ -27,7 +29,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_adaptive.oom import PeerOutOfMemory, catch_oom
 
-__all__ = ["Placement", "agreed", "data_mesh", "place", "process_any", "process_min"]
+__all__ = [
+    "LocalShards",
+    "Placement",
+    "agreed",
+    "data_mesh",
+    "host_copy",
+    "place",
+    "process_any",
+    "process_min",
+]
 
 T = TypeVar("T")
 
@@ -75,11 +86,13 @@ def place(tree: Any, where: Any) -> Any:
         True
     """
     if isinstance(where, jax.Device | jax.sharding.Sharding):
-        where = jax.tree.map(lambda _: where, tree)
-    return jax.tree.map(_place_leaf, tree, where)
+        where = jax.tree.map(lambda _: where, tree, is_leaf=_is_local_shards)
+    return jax.tree.map(_place_leaf, tree, where, is_leaf=_is_local_shards)
 
 
 def _place_leaf(leaf: Any, where: Any) -> jax.Array:
+    if isinstance(leaf, LocalShards):
+        return jax.make_array_from_callback(leaf.shape, where, leaf.piece)
     if isinstance(where, jax.Device) or where.is_fully_addressable:
         return jax.device_put(leaf, where)
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -87,6 +100,69 @@ def _place_leaf(leaf: Any, where: Any) -> jax.Array:
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
     host = np.asarray(jax.device_get(leaf))
     return jax.make_array_from_callback(host.shape, where, lambda index: host[index])
+
+
+@jax.tree_util.register_pytree_node_class
+class LocalShards:
+    """A host copy of this process's shards of an array that spans other processes' too.
+
+    `place` puts it back on the same sharding (each process fills its own devices). Its
+    pytree leaves are the host pieces, so ``tree_bytes`` counts what the copy holds.
+
+    Args:
+        shape: the global shape.
+        pieces: the host copy of each addressable shard, keyed by `LocalShards.key` of
+            its index.
+    """
+
+    def __init__(self, shape: tuple[int, ...], pieces: dict[tuple, np.ndarray]):
+        self.shape, self.pieces = tuple(shape), pieces
+
+    @staticmethod
+    def key(index: tuple[slice, ...]) -> tuple:
+        """A hashable key for a shard's index (a tuple of slices)."""
+        return tuple((s.start, s.stop, s.step) for s in index)
+
+    def piece(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The host copy of the shard at ``index``."""
+        return self.pieces[self.key(index)]
+
+    def tree_flatten(self) -> tuple[tuple[np.ndarray, ...], tuple]:
+        """The pieces, and the shape and keys to rebuild it (the pytree protocol)."""
+        keys = tuple(self.pieces)
+        return tuple(self.pieces[k] for k in keys), (self.shape, keys)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: Any) -> LocalShards:
+        """Rebuilds it from `tree_flatten`'s parts (the pytree protocol)."""
+        shape, keys = aux
+        return cls(shape, dict(zip(keys, children, strict=True)))
+
+
+def _is_local_shards(x: Any) -> bool:
+    return isinstance(x, LocalShards)
+
+
+def host_copy(tree: Any) -> Any:
+    """A host copy of a pytree of arrays that `place` puts back where they were.
+
+    An array whose every value this process holds becomes a NumPy array (PRNG keys
+    stay keys); one split over other processes' devices too becomes `LocalShards`.
+
+    Example:
+        >>> host_copy({"x": jax.numpy.ones(2)})["x"].tolist()
+        [1.0, 1.0]
+    """
+
+    def one(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+            return jax.device_get(leaf)
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_shards[0].data)
+        pieces = {LocalShards.key(s.index): np.asarray(s.data) for s in leaf.addressable_shards}
+        return LocalShards(leaf.shape, pieces)
+
+    return jax.tree.map(one, tree)
 
 
 def _gather(value: int) -> np.ndarray:
@@ -224,10 +300,20 @@ class Placement:
         model_state = jax.tree.map(lambda _: everywhere, state.model_state)
         return type(state)(params, opt, model_state, everywhere)
 
-    def micro_batch(self, tree: Any) -> Any:
-        """A micro-batch as the micro-step takes it: split over the data axis on a mesh."""
+    def micro_batch(self, tree: Any, split: int = 1) -> Any:
+        """A micro-batch as the micro-step takes it: split over the data axis on a mesh.
+
+        Args:
+            tree: the examples (a pytree of arrays with a leading dimension of rows).
+            split: with ``split > 1`` on a mesh, the rows are ``split`` micro-batches,
+                placed as ``[split, rows / split, ...]`` with each micro-batch split
+                over the data axis (a chunk whose devices accumulate their own rows).
+        """
         if self.data is None:
             # Host arrays go to the program as they are: its call transfers them in C++,
             # several times faster than a jax.device_put per micro-batch.
             return tree
-        return place(tree, self.data)
+        if split == 1:
+            return place(tree, self.data)
+        rows = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
+        return place(jax.tree.map(lambda x: x.reshape(split, -1, *x.shape[1:]), tree), rows)

@@ -10,10 +10,20 @@ of every micro-step in flight.
 
 Compiled programs are released when the planner no longer uses their size; their memory
 reports are kept, so a size decided once is never compiled again to be decided again.
+
+Under a mesh, a loss without model state and parameters not split over the data axis
+(`Executables.per_device`), each device accumulates its own gradient (`per_device`):
+the micro-step and its chunks run no collective, the accumulator and the running totals
+carry a leading device axis split over the data axis (a device holds one accumulator,
+as when it is replicated), and the optimizer step sums them over the devices, the one
+reduction of an update. A loss with model state (BatchNorm) keeps the SPMD micro-step,
+whose statistics span the whole micro-batch, and its gradient all-reduce: per-device
+statistics would change what ``model_state`` is.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import Counter
@@ -24,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_adaptive.memory import Ledger, memory_report, tree_bytes
 from jax_adaptive.step import (
@@ -33,6 +44,7 @@ from jax_adaptive.step import (
     _check_per_example,
     make_micro_step,
     make_optimizer_step,
+    per_device,
     scan_micro_steps,
 )
 
@@ -91,8 +103,23 @@ def _shardings(structs: Any) -> Any:
 
 
 def zeros(structs: Any) -> Any:
-    """Zeros on the device, of the shapes, dtypes and shardings of ``structs``."""
+    """Zeros on the device, of the shapes, dtypes and shardings of ``structs``.
+
+    Structs that all carry a sharding get theirs from one cached program (an update
+    makes a fresh accumulator this way), the others one ``jnp.zeros`` each.
+    """
+    leaves, treedef = jax.tree.flatten(structs)
+    if leaves and all(s.sharding is not None for s in leaves):
+        return jax.tree.unflatten(treedef, _zeros_program(tuple(leaves))())
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), structs)
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros_program(structs: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
+    def make() -> list[jax.Array]:
+        return [jnp.zeros(s.shape, s.dtype) for s in structs]
+
+    return jax.jit(make, out_shardings=[s.sharding for s in structs])
 
 
 def example_structs(example_batch: Any) -> Any:
@@ -119,8 +146,8 @@ class Executables:
         in_flight: how many programs the update dispatches ahead at most.
 
     A *chunk* of ``c`` micro-steps of one size runs as one program (`scan_micro_steps`):
-    ``micro(size, chunk=c)`` takes ``c * size`` examples. Chunk 1 is the plain micro-step
-    the search compiles.
+    ``micro(size, chunk=c)`` takes ``c * size`` examples (``[c, size, ...]`` when
+    `per_device`). Chunk 1 is the plain micro-step the search compiles.
 
     Attributes:
         compiles: micro-step compiles so far (chunks of one; what a search costs).
@@ -130,6 +157,13 @@ class Executables:
         fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
         generation: how many shapes it was bound to; what was learned of a size under
             another generation (its peak, that it ran) says nothing of it now.
+        per_device: each device accumulates its own gradient, reduced once per update
+            (decided at `bind`: a mesh, no model state, parameters not split over the
+            data axis).
+        acc_struct: the accumulator the micro-steps carry (``[D, ...]`` when
+            `per_device`, else the parameters' shape).
+        totals_struct: the running totals the micro-steps carry (``[D]`` each when
+            `per_device`, else scalars).
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -165,14 +199,15 @@ class Executables:
         self.fault_hook: FaultHook | None = None
         self.generation = 0  # bumped by each bind to a new shape: measures of old ones are void
         self.chunk_trace_counts: Counter[int] = Counter()
+        self.per_device, self._shards = False, 1  # decided by bind
         self._micro_fn, self._chunk_fn = (
             make_micro_step(
                 loss_fn,
                 optimizer,
                 target_batch_size,
                 has_aux=has_aux,
-                has_state=has_state,
-                on_trace=lambda size, counts=counts: counts.update([size]),
+                has_state=has_state,  # per device, a trace sees one device's rows
+                on_trace=lambda rows, counts=counts: counts.update([rows * self._shards]),
             )
             for counts in (self.trace_counts, self.chunk_trace_counts)
         )
@@ -204,16 +239,47 @@ class Executables:
         self._bound = structs
         self.generation += 1
         self.state_structs, self.example = structs
-        self.totals_struct = self._totals_for(state)
+        self.means_struct = self._totals_for(state)
         s = self.state_structs
+        self.per_device = self._can_accumulate_per_device(s.params)
+        self._shards = self.data.mesh.shape[self._axis] if self.per_device else 1
+        self.acc_struct = jax.tree.map(self._device_rows, s.opt_state.acc_grads)
+        self.totals_struct = jax.tree.map(self._device_rows, self.means_struct)
         # The outputs keep the inputs' shardings, call after call.
         self._outs = _shardings(
-            (s.opt_state.acc_grads, s.opt_state.mini_step, s.model_state, self.totals_struct)
+            (self.acc_struct, s.opt_state.mini_step, s.model_state, self.totals_struct)
         )
-        self._micro_jit = self._jit_of(self._micro_fn)
+        self._micro_jit = self._jit_of(self._program(self._micro_fn))
         self._chunk_jit: dict[int, Any] = {}  # per size: its micro-steps scanned in one program
         self._clear()
         return True
+
+    @property
+    def _axis(self) -> str:
+        return self.data.spec[0]
+
+    def _can_accumulate_per_device(self, params: Any) -> bool:
+        """A mesh, a loss without model state, no parameter split over the data axis."""
+        if self.data is None or self.has_state:
+            return False
+        return all(
+            isinstance(leaf.sharding, NamedSharding) and self._axis not in _axes(leaf.sharding)
+            for leaf in jax.tree.leaves(params)
+        )
+
+    def _device_rows(self, struct: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        """``struct`` with a leading device axis split over the data axis, when `per_device`."""
+        if not self.per_device:
+            return struct
+        spec = PartitionSpec(self._axis, *getattr(struct.sharding, "spec", ()))
+        sharding = NamedSharding(self.data.mesh, spec)
+        return jax.ShapeDtypeStruct((self._shards, *struct.shape), struct.dtype, sharding=sharding)
+
+    def _program(self, micro_step: Any, size: int | None = None) -> Any:
+        """The micro-step (``size`` None) or a chunk of ``size``, per device when `per_device`."""
+        if self.per_device:
+            return per_device(micro_step, self.data.mesh, self._axis, chunk_size=size)
+        return micro_step if size is None else scan_micro_steps(micro_step, size)
 
     def _require_bound(self) -> None:
         if self._bound is None:
@@ -241,19 +307,21 @@ class Executables:
     def micro_structs(self, size: int, chunk: int = 1) -> MicroArgs:
         """The arguments of a chunk of micro-steps of ``size`` as ``ShapeDtypeStruct``s."""
         self._require_bound()
-        s, data, rows = self.state_structs, self.data, size * chunk
+        s, data, rows = self.state_structs, self.data, (size * chunk,)
+        if self.per_device and chunk > 1:  # each device holds its rows of every micro-batch
+            rows, data = (chunk, size), NamedSharding(data.mesh, PartitionSpec(None, self._axis))
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         return MicroArgs(
             params=s.params,
             opt_state=s.opt_state._replace(acc_grads=None),
-            acc_grads=s.opt_state.acc_grads,
+            acc_grads=self.acc_struct,
             model_state=s.model_state,
             totals=self.totals_struct,
             batch=jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((rows, *x.shape), x.dtype, sharding=data),
+                lambda x: jax.ShapeDtypeStruct((*rows, *x.shape), x.dtype, sharding=data),
                 self.example,
             ),
-            weights=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=data),
+            weights=jax.ShapeDtypeStruct(rows, jnp.float32, sharding=data),
             rng=s.rng,
             offset=i32,
             k=i32,
@@ -273,7 +341,7 @@ class Executables:
         if chunk == 1:
             return self._micro_jit
         if size not in self._chunk_jit:
-            self._chunk_jit[size] = self._jit_of(scan_micro_steps(self._chunk_fn, size))
+            self._chunk_jit[size] = self._jit_of(self._program(self._chunk_fn, size))
         return self._chunk_jit[size]
 
     def micro(self, size: int, chunk: int = 1) -> Executable:
@@ -325,9 +393,16 @@ class Executables:
         return tree_bytes(self.example) + 4
 
     def state_bytes(self) -> int:
-        """Bytes of the whole train state and the running totals on one device."""
+        """Bytes of the whole train state and the running totals on one device.
+
+        The accumulator counted is the one the micro-steps carry (`acc_struct`): a
+        device holds one row of a per-device accumulator, which replaces the state's
+        (`jax_adaptive.update` releases that one when an update starts).
+        """
         self._require_bound()
-        return tree_bytes((self.state_structs, self.totals_struct))
+        s = self.state_structs
+        state = s._replace(opt_state=s.opt_state._replace(acc_grads=self.acc_struct))
+        return tree_bytes((state, self.totals_struct))
 
     def release(self, keep: Container[int]) -> None:
         """Frees the compiled programs of every size not in ``keep`` (reports stay)."""
@@ -372,14 +447,18 @@ class Executables:
         if donate not in self._optimizer:
             s = self.state_structs
             k = jax.ShapeDtypeStruct((), jnp.int32)
+            opt_state = s.opt_state._replace(acc_grads=self.acc_struct)
+            step = make_optimizer_step(
+                self.optimizer, self.target_batch_size, per_device=self.per_device
+            )
             start = time.perf_counter()
             compiled = (
                 jax.jit(
-                    make_optimizer_step(self.optimizer, self.target_batch_size),
+                    step,
                     donate_argnames=("params", "opt_state") if donate else (),
-                    out_shardings=_shardings((s.params, s.opt_state, self.totals_struct)),
+                    out_shardings=_shardings((s.params, s.opt_state, self.means_struct)),
                 )
-                .lower(s.params, s.opt_state, self.totals_struct, k)
+                .lower(s.params, opt_state, self.totals_struct, k)
                 .compile()
             )
             self._optimizer[donate] = Executable(
@@ -423,6 +502,14 @@ class Executables:
             jax.block_until_ready(compiled(*args))
             seconds.append(time.perf_counter() - start)
         return min(seconds[1:])
+
+
+def _axes(sharding: NamedSharding) -> set[str]:
+    """The mesh axes a sharding splits over."""
+    axes: set[str] = set()
+    for entry in sharding.spec:
+        axes.update((entry,) if isinstance(entry, str) else entry or ())
+    return axes
 
 
 def _same(a: Any, b: Any) -> bool:

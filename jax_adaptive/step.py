@@ -16,6 +16,9 @@ all through ``optax.MultiSteps`` with ``use_grad_mean=False`` and ``k = n + 1``:
   inner optimizer to the accumulated sum and resets the accumulator. Its memory is the
   state twice, whatever ``m``; it runs after the micro-batch's activations are freed.
 
+Under a mesh, `per_device` runs the micro-step (or a chunk) on each device's rows with
+no collective, into a per-device accumulator that the optimizer step sums once.
+
 The sum of per-example gradients divided by ``T`` is the full-batch mean gradient
 whatever the micro-batch sizes (padding is masked), so the update is exact. Per-example
 weights other than 0 and 1 give weighted means the same way (a token count per sequence).
@@ -39,6 +42,7 @@ __all__ = [
     "make_micro_step",
     "make_optimizer_step",
     "multi_steps",
+    "per_device",
 ]
 
 Params: TypeAlias = Any
@@ -208,7 +212,7 @@ def make_micro_step(
 
 
 def make_optimizer_step(
-    optimizer: optax.GradientTransformation, target_batch_size: int
+    optimizer: optax.GradientTransformation, target_batch_size: int, *, per_device: bool = False
 ) -> Callable[..., Any]:
     """Builds the optimizer step: the emitting mini-step of ``MultiSteps``.
 
@@ -216,6 +220,10 @@ def make_optimizer_step(
     k - 1``; it returns ``(params, opt_state, means)`` where ``means`` divides the totals
     by the target batch size. Jit it without donation: a failure then leaves the state
     alive, and its peak (the state twice) does not depend on the micro-batch size.
+
+    With ``per_device`` the accumulator and the totals carry a leading device axis (see
+    `per_device`): the step first sums them over it, the update's one reduction across
+    devices, and returns the accumulator reset in the parameters' own shape.
 
     Example:
         >>> import optax
@@ -229,6 +237,8 @@ def make_optimizer_step(
     """
 
     def optimizer_step(params, opt_state, totals, k):
+        if per_device:
+            opt_state, totals = _sum_over_devices(opt_state, totals)
         zeros = jax.tree.map(jnp.zeros_like, params)
         updates, new_opt = multi_steps(optimizer, k).update(zeros, opt_state, params)
         means = {name: total / target_batch_size for name, total in totals.items()}
@@ -237,7 +247,15 @@ def make_optimizer_step(
     return optimizer_step
 
 
-def scan_micro_steps(micro_step: Callable[..., Any], size: int) -> Callable[..., Any]:
+def _sum_over_devices(opt_state: optax.MultiStepsState, totals: dict) -> tuple[Any, dict]:
+    """The accumulator and totals summed over their leading device axis."""
+    acc = jax.tree.map(lambda a: jnp.sum(a, axis=0), opt_state.acc_grads)
+    return opt_state._replace(acc_grads=acc), {n: jnp.sum(t, axis=0) for n, t in totals.items()}
+
+
+def scan_micro_steps(
+    micro_step: Callable[..., Any], size: int, *, split: bool = True
+) -> Callable[..., Any]:
     """Runs consecutive micro-steps of ``size`` in one program: a chunk, one dispatch.
 
     The returned function takes the micro-step's arguments with ``c * size`` examples
@@ -245,7 +263,9 @@ def scan_micro_steps(micro_step: Callable[..., Any], size: int) -> Callable[...,
     last of the ``c`` micro-steps returns. Each micro-step sees the same arguments it
     would see dispatched alone (its micro-batch, its offset, the running accumulator,
     mini-step, model state and totals), so a chunk equals its micro-steps one by one;
-    only the host's work per micro-step is gone.
+    only the host's work per micro-step is gone. With ``split=False`` the examples come
+    already split, ``[c, rows, ...]`` (a device's rows of each micro-batch, see
+    `per_device`); the offsets still step by ``size``.
 
     Example:
         >>> import optax
@@ -264,10 +284,10 @@ def scan_micro_steps(micro_step: Callable[..., Any], size: int) -> Callable[...,
     def chunk_step(
         params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
     ):
-        c = weights.shape[0] // size
+        c = weights.shape[0] // size if split else weights.shape[0]
 
-        def split(x):
-            return x.reshape(c, size, *x.shape[1:])
+        def cut(x):
+            return x.reshape(c, size, *x.shape[1:]) if split else x
 
         def body(carry, xs):
             acc, mini_step, state, sums = carry
@@ -279,7 +299,89 @@ def scan_micro_steps(micro_step: Callable[..., Any], size: int) -> Callable[...,
             return out, None
 
         carry = (acc_grads, opt_state.mini_step, model_state, totals)
-        xs = (jax.tree.map(split, batch), split(weights), jnp.arange(c, dtype=jnp.int32))
+        xs = (jax.tree.map(cut, batch), cut(weights), jnp.arange(c, dtype=jnp.int32))
         return jax.lax.scan(body, carry, xs)[0]
 
     return chunk_step
+
+
+def per_device(
+    micro_step: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    *,
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """The micro-step (or a chunk of them) run on each device's own rows, with no collective.
+
+    Under ``jax.shard_map`` over the mesh's ``axis`` (the other axes stay automatic),
+    each device computes the gradient of its rows of the micro-batch and adds it to its
+    own accumulator, as PyTorch DDP's ``no_sync`` does: the accumulator and the totals
+    carry a leading device axis split over ``axis`` (``[D, ...]``, one row per device,
+    the bytes of one accumulator on each device, as when it is replicated), and their sum
+    over devices is the optimizer step's (`make_optimizer_step` with ``per_device``),
+    once per update. Each device's rows are a micro-batch of their own for the loss: the
+    key folds in their first example's index (``offset + device * rows``), as for a
+    micro-batch of that size on one device.
+
+    Args:
+        micro_step: from `make_micro_step` (a loss without model state: its statistics
+            would be the device's rows' alone).
+        mesh: the mesh; the micro-batch is split over ``axis``, the parameters are not.
+        axis: the data axis.
+        chunk_size: None for one micro-step; else the global size of each micro-step of
+            a chunk, whose examples come as ``[c, size, ...]`` split over ``axis`` on
+            their second dimension (each device holds its rows of every micro-batch).
+
+    Returns:
+        A function of the micro-step's arguments and results (`make_micro_step`), with
+        ``acc_grads`` and ``totals`` of a leading device axis; jit it as the micro-step.
+
+    Example:
+        >>> import optax
+        >>> from jax.sharding import Mesh
+        >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
+        >>> mesh = Mesh(jax.devices()[:1], ("data",))
+        >>> step = jax.jit(per_device(make_micro_step(loss, optax.sgd(0.1), 4), mesh, "data"))
+        >>> params = {"w": jnp.ones(())}
+        >>> opt = multi_steps(optax.sgd(0.1), 3).init(params)
+        >>> acc = {"w": jnp.zeros((1,))}
+        >>> batch = {"x": jnp.ones(2), "y": jnp.zeros(2)}
+        >>> acc, mini, _, totals = step(params, opt._replace(acc_grads=None), acc, (),
+        ...     {"loss": jnp.zeros((1,))}, batch, jnp.ones(2), jax.random.key(0), 0, 3)
+        >>> acc["w"].tolist(), int(mini), totals["loss"].tolist()
+        ([1.0], 1, [2.0])
+    """
+
+    def on_device(
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
+    ):
+        first_row = jax.lax.axis_index(axis) * weights.shape[-1]
+
+        def step(p, opt, acc, state, sums, rows, w, key, at, k_):
+            return micro_step(p, opt, acc, state, sums, rows, w, key, at + first_row, k_)
+
+        run = step if chunk_size is None else scan_micro_steps(step, chunk_size, split=False)
+        acc, totals = jax.tree.map(lambda x: x[0], (acc_grads, totals))
+        acc, mini_step, model_state, totals = run(
+            params, opt_state, acc, model_state, totals, batch, weights, rng, offset, k
+        )
+        return _with_device_axis(acc), mini_step, model_state, _with_device_axis(totals)
+
+    own, every = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    rows = own if chunk_size is None else jax.sharding.PartitionSpec(None, axis)
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(every, every, own, every, own, rows, rows, every, every, every),
+        out_specs=(own, every, every, own),
+        axis_names={axis},
+        # Unchecked: the gradient of the replicated parameters is then each device's
+        # own (a checked map would sum it over the devices in every micro-step), and the
+        # mini-step, computed from replicated values alone, is the same on every device.
+        check_vma=False,
+    )
+
+
+def _with_device_axis(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[None], tree)

@@ -13,6 +13,12 @@ A new size's first update, and an update that already failed, keep a host copy o
 a failure could lose and the micro-step changes (the accumulator, the totals, the model
 state and the mini-step count), never the inner optimizer state the micro-step only
 reads. `Updater.host_bytes` counts those copies.
+
+When each device accumulates its own gradient (`Executables.per_device`), an update
+starts from a fresh per-device accumulator and releases the state's own, which is zero
+between updates (the optimizer step resets it) and which a micro-step would otherwise
+have donated: a device holds one accumulator, as the ledger counts. The optimizer step
+sums the devices' accumulators and returns the state's accumulator reset.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax
 import numpy as np
 
 from jax_adaptive.data import micro_batches
-from jax_adaptive.distributed import Placement, agreed, place, process_min
+from jax_adaptive.distributed import Placement, agreed, host_copy, place, process_min
 from jax_adaptive.executables import MicroArgs, zeros
 from jax_adaptive.memory import tree_bytes
 from jax_adaptive.oom import catch_oom, is_oom
@@ -80,6 +86,13 @@ class _Progress:
 
 def _is_deleted(tree: Any) -> bool:
     return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+
+
+def _release(tree: Any) -> None:
+    """Frees the device buffers of ``tree``'s arrays now, as donating them would."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
 
 class Updater:
@@ -144,10 +157,13 @@ class Updater:
     # ------------------------------------------------------------ micro-steps
 
     def _fresh(self, state: TrainState) -> _Progress:
-        acc = state.opt_state.acc_grads
-        if _is_deleted(acc):  # donated to a micro-step that failed
-            acc = zeros(self.executables.state_structs.opt_state.acc_grads)
-        totals = zeros(self.executables.totals_struct)
+        acc, ex = state.opt_state.acc_grads, self.executables
+        if ex.per_device:  # the state's zeros, as a micro-step would have donated them
+            _release(acc)
+            acc = zeros(ex.acc_struct)
+        elif _is_deleted(acc):  # donated to a micro-step that failed
+            acc = zeros(ex.acc_struct)
+        totals = zeros(ex.totals_struct)
         return _Progress(acc, state.opt_state.mini_step, state.model_state, totals)
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
@@ -166,7 +182,6 @@ class Updater:
         for c in {chunk, 1}:
             agreed(lambda c=c: (self.executables.micro(size, c), self.planner.check(size, c)), size)
         programs = {c: self.executables.micro(size, c).compiled for c in {chunk, 1}}
-        hook = self.executables.fault_hook
         cautious = cautious or (size, chunk) not in self._ran
         remaining = math.ceil((self.T - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
@@ -182,15 +197,14 @@ class Updater:
             piece = next(micro_batches(batch, steps * size, start=p.offset))
             examples, weights = piece.batch
             examples, weights = self.placement.micro_batch(
-                (examples, np.where(piece.mask, np.asarray(weights, np.float32), 0))
+                (examples, np.where(piece.mask, np.asarray(weights, np.float32), 0)),
+                split=steps if self.executables.per_device else 1,
             )
             args = MicroArgs(
                 state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
                 p.totals, examples, weights, state.rng, np.int32(piece.offset), k,
             )  # fmt: skip
-            if hook is not None:
-                agreed(lambda args=args: hook.before_execution(size, args), size)
-            p.acc, p.mini_step, p.model_state, p.totals = programs[steps](*args)
+            p.acc, p.mini_step, p.model_state, p.totals = self._execute(programs[steps], args, size)
             p.offset, p.steps = min(piece.offset + steps * size, self.T), p.steps + steps
             running.append(p.mini_step)
             del examples, weights, args  # the transferred examples live while they run only
@@ -202,6 +216,32 @@ class Updater:
         self.planner.ran()
         self._ran.add((size, chunk))
 
+    def _execute(self, program: Any, args: MicroArgs, size: int) -> Any:
+        """Runs one program of micro-steps (the fault hook first), agreed between processes.
+
+        With one process it only dispatches. Under ``jax.distributed``, a micro-step
+        whose devices accumulate their own gradient runs no collective: each process
+        runs it to its end and the processes then agree on whether any ran out of
+        memory in it, so an out-of-memory inside one process's run makes all shrink
+        together and none waits for it (an injected fault stands for such a run). An
+        SPMD micro-step reduces inside its run: a process that failed would leave the
+        others waiting in it, so they agree before it runs.
+        """
+        hook = self.executables.fault_hook
+
+        def run() -> Any:
+            if hook is not None:
+                hook.before_execution(size, args)
+            return program(*args)
+
+        if jax.process_count() == 1:
+            return run()
+        if self.executables.per_device:
+            return agreed(lambda: jax.block_until_ready(run()), size)
+        if hook is not None:
+            agreed(lambda: hook.before_execution(size, args), size)
+        return program(*args)
+
     def _save(self, p: _Progress) -> None:
         """Copies what the last micro-step changed to the host.
 
@@ -209,7 +249,7 @@ class Updater:
         buffer straight away can abort the process on XLA:CPU.
         """
         jax.block_until_ready((*p.kept(), p.mini_step))
-        arrays = jax.device_get(p.kept())
+        arrays = host_copy(p.kept())
         self.host_bytes += tree_bytes(arrays)
         p.saved = _Saved(arrays, int(p.mini_step), p.offset, p.steps)
 
@@ -231,8 +271,8 @@ class Updater:
         if p.saved is None:
             return None
         saved, ex = p.saved, self.executables
-        structs = (ex.state_structs.opt_state.acc_grads, ex.state_structs.model_state)
-        shardings = jax.tree.map(lambda s: s.sharding, (*structs, ex.totals_struct))
+        structs = (ex.acc_struct, ex.state_structs.model_state, ex.totals_struct)
+        shardings = jax.tree.map(lambda s: s.sharding, structs)
         acc, model_state, totals = place(saved.arrays, shardings)
         mini_step = place(np.int32(saved.mini_step), state.opt_state.mini_step.sharding)
         return _Progress(acc, mini_step, model_state, totals, saved.offset, saved.steps, saved)
@@ -246,8 +286,8 @@ class Updater:
         # A donating call that fails deletes its inputs: keep a host copy for its first
         # run. A call that does not donate loses nothing: no copy.
         snapshot = None
-        if donating and donating not in self._optimizer_ran:
-            snapshot = jax.device_get(inputs[:2])
+        if donating and donating not in self._optimizer_ran:  # not the accumulator: reset
+            snapshot = host_copy((state.params, state.opt_state._replace(acc_grads=None)))
             self.host_bytes += tree_bytes(snapshot)
         out, error = catch_oom(lambda: jax.block_until_ready(executable.compiled(*inputs)))
         if error is not None:
@@ -273,7 +313,9 @@ class Updater:
                     "does not fit, ran out of memory inside its run and XLA deleted the "
                     "state: restore it from your last checkpoint, and leave more memory free."
                 )
-            shardings = jax.tree.map(lambda s: s.sharding, (structs.params, structs.opt_state))
+            shardings = jax.tree.map(
+                lambda s: s.sharding, (structs.params, structs.opt_state._replace(acc_grads=None))
+            )
             params, opt = place(snapshot, shardings)
         restored = TrainState(
             params,

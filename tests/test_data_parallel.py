@@ -94,8 +94,12 @@ def test_two_processes_agree_and_shrink_together(tmp_path):
     # Different capacities: each found its own size, and both use the smaller.
     assert first["searched"] > second["searched"]
     assert first["planned"] == second["planned"] == second["searched"]
-    # Only the first process ran out of memory; both shrank at the same micro-step.
+    # Only the first process ran out of memory, inside a micro-step's run; the second
+    # ran that micro-step to its end (no collective in it waits for the first), then
+    # both shrank at the same micro-step.
     assert first["injected"] and not second["injected"]
+    assert first["per_device"] and second["per_device"]
+    assert second["runs"] == first["runs"] + 1
     assert first["sizes"] == second["sizes"]
     assert first["sizes"][-1] < first["planned"]
     _assert_equal(first["params"], first["reference"])
