@@ -235,8 +235,10 @@ class Planner:
         steps = math.ceil(self.target_batch_size / size)
         if self.chunk_limit != "auto":
             return chunk_length(steps, self.chunk_limit)
-        if steps == 1 or self.executables.data is not None:  # under a mesh: one at a time
+        if steps == 1:
             return 1
+        if self.executables.data is not None and not self.executables.per_device:
+            return 1  # a micro-step that reduces across devices: one at a time
         capacity, most = self.sizes.guide_capacity(), steps
         if capacity is not None:
             base, error = catch_oom(lambda: self.ledger(size))

@@ -84,7 +84,7 @@ class SizeSearch:
         return min([c for c in caps if c is not None], default=None)
 
     def check(self, size: int, ledger: Ledger | None = None) -> None:
-        """Raises `jax_adaptive.SimulatedOutOfMemory` when the size's ledger exceeds the capacity."""
+        """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
         capacity = self._capacity()
         needed = (ledger or self._ledger(size)).total
         if capacity is not None and needed > capacity:

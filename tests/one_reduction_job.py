@@ -114,6 +114,7 @@ def train(loss, params, batches, *, faults=(), weighted=False, **kwargs):
         "sizes": sizes,
         "injected": injector.injected,
         "acc_shapes": [list(a.shape) for a in jax.tree.leaves(state.opt_state.acc_grads)],
+        "chunk": trainer.plan_info.chunk,
     }
 
 
@@ -188,7 +189,7 @@ def main(out):
                 micro_batch_size=SIZE,
                 chunk=chunk,
             )
-            for chunk in (1, 2)
+            for chunk in (1, 2, "auto")
         },
         # A device's rows draw what a micro-batch of those rows draws on one device.
         "noisy": {

@@ -79,9 +79,11 @@ def test_the_ledger_counts_one_accumulator_per_device(result):
     assert counts["state_bytes"] >= 4 * counts["params_bytes"]  # params, mu, nu, acc
 
 
-@pytest.mark.parametrize("chunk", ["1", "2"])
+@pytest.mark.parametrize("chunk", ["1", "2", "auto"])
 def test_padding_weights_and_aux_equal_one_full_batch_step(result, chunk):
     run = result["weighted"][chunk]
+    # chunks hold no collective: under a mesh "auto" scans micro-steps as on one device
+    assert run["chunk"] == (5 if chunk == "auto" else int(chunk))  # auto: all 5 at once
     _assert_close(run["params"], result["reference"])
     _assert_metrics(run["metrics"], result["reference_metrics"])
     assert run["sizes"] == [24] * 3
