@@ -16,7 +16,13 @@ import numpy as np
 
 from jax_adaptive.data import synthetic_images
 
-__all__ = ["ShuffledBatches", "Source", "SyntheticSource", "load_source"]
+__all__ = [
+    "HELD_OUT_EXAMPLES", "ShuffledBatches", "Source", "SyntheticSource", "all_examples",
+    "load_held_out", "load_source",
+]  # fmt: skip
+
+HELD_OUT_EXAMPLES = 1024
+"""The examples of the synthetic held-out set: new noise and labels, the same class patterns."""
 
 
 class Source(Protocol):
@@ -99,6 +105,42 @@ def load_source(
             "pass --data-dir DIR."
         ) from None
     return _Images(source)
+
+
+def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -> Source:
+    """The held-out examples of ``dataset``: a ``tfds:NAME``'s test split, or new synthetic ones.
+
+    The synthetic held-out set draws `HELD_OUT_EXAMPLES` examples from a seed no training
+    seed takes (``2**63 + seed``), with the training set's class patterns: the same task
+    on examples training never sees.
+
+    Raises:
+        ValueError: as `load_source`, when the test split cannot be read.
+
+    Example:
+        >>> held_out, train = load_held_out("synthetic"), load_source("synthetic")
+        >>> len(held_out), bool((held_out[0]["image"] != train[0]["image"]).any())
+        (1024, True)
+    """
+    if dataset == "synthetic":
+        return SyntheticSource(HELD_OUT_EXAMPLES, seed=2**63 + seed)
+    try:
+        return load_source(dataset, data_dir=data_dir, split="test")
+    except ValueError as exc:
+        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from None
+
+
+def all_examples(source: Source) -> dict[str, np.ndarray]:
+    """Every example of a source as one batch (a dict of arrays with a leading example axis).
+
+    Example:
+        >>> all_examples(SyntheticSource(5))["image"].shape
+        (5, 16, 16, 3)
+    """
+    rows = [source[i] for i in range(len(source))]
+    if not rows:
+        raise ValueError("the held-out split has no examples.")
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 class ShuffledBatches:

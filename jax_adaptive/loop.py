@@ -40,7 +40,7 @@ class FitError(RuntimeError):
         history: the metrics of the updates this call completed.
         batch: the batch in flight, whose update did not complete; the stream has
             moved past it (None when no update was in flight: the error came from the
-            stream or from ``on_update``).
+            stream, from ``after_update`` or from ``on_update``).
 
     Example:
         >>> def step(state, batch):
@@ -99,6 +99,7 @@ def fit_loop(
     progress: bool = False,
     on_update: Callable[[int, dict[str, Any]], None] | None = None,
     retries: int = 3,
+    after_update: Callable[[int, State], dict[str, Any]] | None = None,
 ) -> tuple[State, list[dict[str, Any]]]:
     """Runs ``step`` on each batch until the stream ends or ``num_updates`` are done.
 
@@ -113,14 +114,18 @@ def fit_loop(
         on_update: called with the update's number (from 1) and metrics after each.
         retries: how many times in a row one batch's update is run again after its
             optimizer step ran out of memory.
+        after_update: called with the update's number and new state after each update
+            (before ``on_update``); the metrics it returns join that update's (an
+            evaluation's, say). Its error ends the loop like any other, the update kept.
 
     Returns:
         The state and one metrics dict (host values) per update.
 
     Raises:
-        FitError: from any error of the stream, the step or ``on_update`` (after
-            ``retries`` out-of-memory errors of one update's optimizer step, too), with
-            the last good state, the history and the batch in flight.
+        FitError: from any error of the stream, the step, ``after_update`` or
+            ``on_update`` (after ``retries`` out-of-memory errors of one update's
+            optimizer step, too), with the last good state, the history and the batch
+            in flight.
 
     Example:
         >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
@@ -148,6 +153,8 @@ def fit_loop(
             state, metrics = new_state, jax.device_get(metrics)
             batch, kept = None, []  # done: nothing in flight
             history.append(metrics)
+            if after_update is not None:
+                metrics.update(jax.device_get(after_update(len(history), state)))
             if on_update is not None:
                 on_update(len(history), metrics)
             examples += int(metrics.get("examples", 0))

@@ -3,8 +3,8 @@
 Writes ``search_trace.png`` (for each plan in ``plan.json``, one panel per bucket of a
 ``--model gpt`` run: each size tried, its estimated bytes against the micro-batch size,
 fits or out of memory, the limit as a line) and ``loss.png`` (the loss of each update,
-from ``metrics.jsonl``, one series per bucket). Needs matplotlib (``pip install
-matplotlib``).
+from ``metrics.jsonl``, one series per bucket, and the held-out loss where evaluated).
+Needs matplotlib (``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -65,9 +65,13 @@ def _loss_panel(ax: Any, metrics: list[dict[str, Any]]) -> None:
     for bucket, ms in series.items():
         ax.plot([m["update"] for m in ms], [m["loss"] for m in ms], marker="." if bucket else "",
                 label=None if bucket is None else f"bucket {bucket}")  # fmt: skip
-    if any(bucket is not None for bucket in series):
+    held_out = [m for m in metrics if _number(m.get("eval_loss"))]
+    if held_out:  # the image models' held-out evaluations (--eval-every)
+        ax.plot([m["update"] for m in held_out], [m["eval_loss"] for m in held_out],
+                marker="o", ls="--", label="held-out")  # fmt: skip
+    if held_out or any(bucket is not None for bucket in series):
         ax.legend(fontsize=7)
-    ax.set(xlabel="update", ylabel="loss", title="training loss")
+    ax.set(xlabel="update", ylabel="loss", title="loss")
 
 
 def write_report(workdir: str | Path) -> list[Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -30,8 +31,8 @@ from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
-    "IMAGE_MODELS", "MODEL_NAMES", "OPTIMIZER_NAMES", "TrainConfig", "Workdir", "check_config",
-    "host_loop", "make_optimizer", "plan_entry", "run_path",
+    "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES", "TrainConfig", "Workdir",
+    "check_config", "host_loop", "load_factory", "make_optimizer", "plan_entry", "run_path",
 ]  # fmt: skip
 
 IMAGE_MODELS = {  # each zoo image model and the variables it mutates
@@ -46,6 +47,7 @@ IMAGE_MODELS = {  # each zoo image model and the variables it mutates
 _OPTIMIZERS = {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}
 MODEL_NAMES = (*IMAGE_MODELS, "gpt")  # the choices of --model
 OPTIMIZER_NAMES = tuple(_OPTIMIZERS)  # the choices of --optimizer
+OBJECTIVES = ("least_padding", "max", "throughput")  # the choices of --objective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,10 @@ class TrainConfig:
     updates: int = 20
     epochs: float | None = None
     seed: int = 0
-    objective: str = "max"
+    objective: str = "least_padding"
+    multiple_of: int | None = None  # None: the ghost batch of a BatchNorm model, else 1
+    eval_every: int = 10  # held-out evaluation every N updates and at the end; 0: none
+    simulate_device: bool = True  # a CPU with no memory_limit simulates a small device
     plan_cache: str | bool | None = None  # None: the default file; False: none
     compilation_cache: str | None = None
     workdir: str | None = None
@@ -126,8 +131,13 @@ def check_config(config: TrainConfig) -> None:
         Traceback (most recent call last):
         ValueError: --learning-rate nan must be a finite number above 0.
     """
-    if config.model not in MODEL_NAMES:
-        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODEL_NAMES)}.")
+    if ":" in str(config.model):
+        load_factory(config.model)
+    elif config.model not in MODEL_NAMES:
+        raise ValueError(
+            f"--model {config.model!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor "
+            "package.module:factory."
+        )
     if config.target_tokens is not None and config.model != "gpt":
         raise ValueError(
             "--target-tokens is for --model gpt; image models take --target-batch-size."
@@ -162,11 +172,59 @@ def check_config(config: TrainConfig) -> None:
     ):
         raise ValueError(f"--seed {config.seed!r} must be an int from 0 to 2**63 - 1.")
     _positive_int("--checkpoint-every", config.checkpoint_every)
+    if config.objective not in OBJECTIVES:
+        raise ValueError(
+            f"--objective {config.objective!r} must be one of {', '.join(OBJECTIVES)}."
+        )
+    if config.multiple_of is not None:
+        _positive_int("--multiple-of", config.multiple_of, MAX_TARGET_BATCH_SIZE)
+    if (
+        isinstance(config.eval_every, bool)
+        or not isinstance(config.eval_every, int)
+        or (config.eval_every < 0)
+    ):
+        raise ValueError(f"--eval-every {config.eval_every!r} must be an int, 0 or more.")
     if config.target_tokens is not None:
         _positive_int("--target-tokens", config.target_tokens, MAX_TARGET_BATCH_SIZE)
     _positive_int("--max-length", config.max_length)
     _directory_flag("--workdir", config.workdir)
     _directory_flag("--compilation-cache", config.compilation_cache)
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The factory ``--model package.module:factory`` names, imported (one-line errors).
+
+    The factory is called with the dataset's number of classes and returns ``(model,
+    loss)``: a Flax linen module mapping images ``[m, H, W, C]`` to logits ``[m,
+    classes]``, and ``loss(logits, labels) -> [m]``, one loss per example (no mean).
+
+    Raises:
+        ValueError: naming ``--model``, when the module cannot be imported or holds no
+            such callable.
+
+    Example:
+        >>> load_factory("jax_adaptive.models:CNN").__name__
+        'CNN'
+        >>> load_factory("jax_adaptive.models")
+        Traceback (most recent call last):
+        ValueError: --model 'jax_adaptive.models' must be a zoo model or package.module:factory.
+    """
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"--model {spec!r} must be a zoo model or package.module:factory.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an ImportError, or the module's own error at import
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(
+            f"--model {spec!r}: cannot import {module_name} ({type(exc).__name__}: {first})."
+        ) from None
+    factory: Any = module
+    for part in name.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {module_name} has no callable {name!r}.")
+    return factory
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -336,6 +394,11 @@ def _postfix(line: dict[str, Any]) -> dict[str, str]:
     return shown | {"micro": f"{line['micro_batch_size']}x{line['accumulation_steps']}"}
 
 
+def _due(update: int, every: int, last: int) -> bool:
+    """Whether held-out evaluation runs after ``update`` (every ``every``, and the last)."""
+    return every > 0 and (update % every == 0 or update == last)
+
+
 def host_loop(
     step: Callable[[TrainState], tuple[TrainState, dict[str, Any]]],
     state: TrainState,
@@ -348,6 +411,7 @@ def host_loop(
     workdir: Workdir | None = None,
     position: Callable[[], int] = lambda: 0,
     out: TextIO | None = None,
+    evaluate: Callable[[TrainState], dict[str, Any]] | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs updates ``done + 1`` to ``updates``, logging, checkpointing and printing each.
 
@@ -364,6 +428,9 @@ def host_loop(
         workdir: where to log, checkpoint and write the plans, if anywhere.
         position: the data stream's position, saved with each checkpoint.
         out: where the lines go (default stdout).
+        evaluate: held-out metrics of a state (``eval_*`` keys), added to the line of
+            every ``config.eval_every``-th update and of the last, before it is
+            logged, checkpointed and described; None: no evaluation.
 
     Returns:
         The final state and the metrics line of each update run (``update`` first).
@@ -388,6 +455,8 @@ def host_loop(
         for update in range(done + 1, updates + 1):
             state, metrics = step(state)
             lines.append({"update": update, **metrics})
+            if evaluate is not None and _due(update, config.eval_every, updates):
+                lines[-1].update(evaluate(state))
             if workdir is not None:
                 workdir.log(lines[-1])
                 workdir.write_plan(**plans())

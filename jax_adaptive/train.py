@@ -3,7 +3,9 @@
 A thin layer: parse the arguments into a `TrainConfig`, then call `train`, which tests
 call too; the run itself (workdir, loop, ``plan.json``) is `jax_adaptive.run`'s. The
 default trains the small CNN on synthetic images with a learnable signal, on a CPU, in
-well under a minute.
+well under a minute: on a simulated small device there (no ``--memory-limit``), so that
+the plan searches the micro-batch and accumulates, with a held-out evaluation every 10
+updates and at the end. ``--model package.module:factory`` trains a model of your own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, NoReturn, TextIO
 import jax
 
 from jax_adaptive.plan_cache import enable_compilation_cache
-from jax_adaptive.run import MODEL_NAMES, OPTIMIZER_NAMES, TrainConfig, check_config
+from jax_adaptive.run import MODEL_NAMES, OBJECTIVES, OPTIMIZER_NAMES, TrainConfig, check_config
 from jax_adaptive.train_images import train_images
 from jax_adaptive.train_lm import train_gpt
 
@@ -57,7 +59,9 @@ def parse_bytes(text: str) -> int:
 def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """Trains as configured: `jax_adaptive.train_images.train_images`, or `train_gpt` for ``gpt``.
 
-    Prints the plan, each update and a summary. With ``workdir``, writes ``plan.json``
+    Prints the plan (after the simulated device's line, on a CPU with no
+    ``memory_limit``), each update, each held-out evaluation (every ``eval_every``
+    updates and after the last) and a summary. With ``workdir``, writes ``plan.json``
     (the plans and every size tried), ``metrics.jsonl`` (one line per update) and, for
     the image models, orbax checkpoints (train state and data position) every
     ``checkpoint_every`` updates; ``resume`` goes on from the latest one.
@@ -124,9 +128,13 @@ def _add_what_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="cnn",
-        choices=sorted(MODEL_NAMES),
-        help="the zoo model to train (default: cnn); gpt trains on synthetic sequences of "
-        "mixed lengths, bucketed, with --target-tokens",
+        metavar="{" + ",".join(sorted(MODEL_NAMES)) + "} or package.module:factory",
+        help="the zoo model to train (default: cnn; gpt trains on synthetic sequences of "
+        "mixed lengths, bucketed, with --target-tokens), or your own: factory(num_classes) "
+        "returns (model, loss), model a flax.linen Module from images [m, H, W, C] to logits "
+        "[m, classes] (called with train= if its __call__ takes it; collections besides "
+        "params, e.g. batch_stats, are updated in training) and loss(logits, labels) -> "
+        "losses [m], one per example, no mean",
     )
     parser.add_argument(
         "--dataset",
@@ -168,6 +176,21 @@ def _add_what_flags(parser: argparse.ArgumentParser) -> None:
         "it simulates a device of that size",
     )
     parser.add_argument(
+        "--no-simulated-device",
+        dest="simulate_device",
+        action="store_false",
+        help="on a CPU with no --memory-limit, train without a cap (by default a small "
+        "device is simulated, about a quarter of the target batch, so the plan searches and "
+        "accumulates)",
+    )
+    parser.add_argument(
+        "--multiple-of",
+        type=int,
+        default=None,
+        help="search only micro-batches that are multiples of this (8 suits GPUs' tensor "
+        "cores; with a BatchNorm zoo model, combined with its ghost batch)",
+    )
+    parser.add_argument(
         "--data-parallel",
         action="store_true",
         help=f"split each micro-batch over all {jax.device_count()} devices (one 'data' mesh "
@@ -198,6 +221,15 @@ def _add_how_flags(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="go on from the latest checkpoint in --workdir"
     )
     parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="evaluate held-out loss and accuracy every N updates and after the last, at "
+        "the largest evaluation batch that fits (the test split of tfds:NAME, 1024 new "
+        "examples for synthetic); 0: no evaluation (default: 10)",
+    )
+    parser.add_argument(
         "--checkpoint-every",
         type=int,
         default=10,
@@ -213,10 +245,11 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
     """The objective of the plan and the caches."""
     parser.add_argument(
         "--objective",
-        choices=["max", "throughput"],
-        default="max",
-        help="'max': the largest micro-batch that fits; 'throughput': the fastest update "
-        "among the largest and the least-padded sizes (each timed briefly)",
+        choices=OBJECTIVES,
+        default="least_padding",
+        help="'least_padding' (default): the fewest micro-steps the largest micro-batch that "
+        "fits allows, with the least padding; 'max': the largest itself; 'throughput': the "
+        "fastest update among the largest and the least-padded sizes (each timed briefly)",
     )
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument(

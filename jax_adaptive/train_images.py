@@ -1,21 +1,34 @@
-"""The command line's image path: a zoo image model on synthetic images or a TFDS dataset.
+"""The command line's image path: a zoo or user's image model on synthetic images or TFDS.
 
-`train_images` builds the model and an `AdaptiveTrainer` from a
-`jax_adaptive.run.TrainConfig`, plans, resumes from the workdir's latest checkpoint
-when asked, and trains through the shared `jax_adaptive.run.host_loop`.
+`train_images` builds the model (`image_model`: the zoo's, or ``package.module:factory``)
+and an `AdaptiveTrainer` from a `jax_adaptive.run.TrainConfig`, simulates a small device
+on a CPU with no memory limit, plans, resumes from the workdir's latest checkpoint when
+asked, and trains through the shared `jax_adaptive.run.host_loop`, evaluating the
+held-out split (`jax_adaptive.datasets.load_held_out`) every ``eval_every`` updates.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_adaptive import models
-from jax_adaptive.datasets import ShuffledBatches, load_source
+from jax_adaptive.datasets import (
+    ShuffledBatches,
+    Source,
+    all_examples,
+    load_held_out,
+    load_source,
+)
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.run import (
     IMAGE_MODELS,
@@ -23,6 +36,7 @@ from jax_adaptive.run import (
     Workdir,
     check_config,
     host_loop,
+    load_factory,
     make_optimizer,
     plan_entry,
     run_path,
@@ -30,7 +44,7 @@ from jax_adaptive.run import (
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
-__all__ = ["train_images"]
+__all__ = ["ImageModel", "image_model", "train_images"]
 
 
 _RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_rate", "seed")
@@ -62,45 +76,301 @@ def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | No
     return size if size >= 8 else None
 
 
-def _image_trainer(
-    config: TrainConfig, num_classes: int
-) -> tuple[Any, tuple[str, ...], AdaptiveTrainer]:
-    module, mutable = IMAGE_MODELS[config.model]
-    model = module(num_classes=num_classes)
+@dataclasses.dataclass(frozen=True)
+class ImageModel:
+    """An image classifier as the image path trains and evaluates it.
+
+    Attributes:
+        module: the Flax linen module (images ``[m, H, W, C]`` to logits).
+        mutable: the collections training updates (Flax ``batch_stats``), or ``()``.
+        loss_fn: the trainer's per-example loss, with accuracy as aux (``has_aux``;
+            ``has_state`` when ``mutable``).
+        metric_fn: held-out per-example ``loss`` and ``accuracy`` in evaluation mode, as
+            `jax_adaptive.AdaptiveTrainer.evaluate` takes it.
+        init_kwargs: keyword arguments of ``module.init`` besides the images.
+        ghost: the ghost batch of its BatchNorm, or None.
+    """
+
+    module: nn.Module
+    mutable: tuple[str, ...]
+    loss_fn: Callable[..., Any]
+    metric_fn: Callable[..., Any]
+    init_kwargs: dict[str, Any]
+    ghost: int | None = None
+
+
+def _metric_fn(eval_loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
+    """Held-out ``{"loss", "accuracy"}`` per example from an evaluation-mode loss."""
+    if stateful:
+
+        def with_state(params: Any, model_state: Any, batch: Any) -> dict[str, Any]:
+            (losses, aux), _ = eval_loss(params, model_state, batch, jax.random.key(0))
+            return {"loss": losses, "accuracy": aux["accuracy"]}
+
+        return with_state
+
+    def metric_fn(params: Any, batch: Any) -> dict[str, Any]:
+        losses, aux = eval_loss(params, batch, jax.random.key(0))
+        return {"loss": losses, "accuracy": aux["accuracy"]}
+
+    return metric_fn
+
+
+def _zoo_model(config: TrainConfig, num_classes: int) -> ImageModel:
+    module_type, mutable = IMAGE_MODELS[config.model]
+    module = module_type(num_classes=num_classes)
     ghost = _ghost_batch_size(config, mutable)
-    trainer = AdaptiveTrainer(
-        models.linen_classifier_loss(model, mutable=mutable, ghost_batch_size=ghost),
+    loss_fn = models.linen_classifier_loss(module, mutable=mutable, ghost_batch_size=ghost)
+    eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False)
+    return ImageModel(module, mutable, loss_fn, _metric_fn(eval_loss, bool(mutable)), {}, ghost)
+
+
+def _user_loss(
+    module: nn.Module, loss: Callable[..., Any], mutable: tuple[str, ...], train: bool
+) -> Callable[..., Any]:
+    """The trainer's loss of a user's model: ``loss(logits, labels)`` and accuracy as aux."""
+    takes_train = "train" in inspect.signature(type(module).__call__).parameters
+    updates = bool(mutable) and train
+
+    def losses(params: Any, model_state: Any, batch: Any, rng: jax.Array) -> Any:
+        out = module.apply(
+            {"params": params, **model_state}, batch["image"], rngs={"dropout": rng},
+            mutable=list(mutable) if updates else False,
+            **({"train": train} if takes_train else {}),
+        )  # fmt: skip
+        logits, new_state = out if updates else (out, model_state)
+        hits = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        return (loss(logits, batch["label"]), {"accuracy": hits}), dict(new_state)
+
+    if mutable:
+        return losses
+    return lambda params, batch, rng: losses(params, {}, batch, rng)[0]
+
+
+def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
+    """The model of ``--model package.module:factory``, checked on ``example`` (one-line errors)."""
+    spec = config.model
+    made = _guarded(spec, "the factory", lambda: load_factory(spec)(num_classes))
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)
+            and callable(made[1])):  # fmt: skip
+        raise ValueError(
+            f"--model {spec!r}: the factory must return (a flax.linen Module, "
+            f"loss(logits, labels) -> per-example losses); it returned {_kind(made)}."
+        )
+    module, loss = made
+    takes_train = "train" in inspect.signature(type(module).__call__).parameters
+    init_kwargs = {"train": False} if takes_train else {}
+    images = jnp.asarray(example["image"][:1])
+    variables = _guarded(
+        spec, "model.init", lambda: module.init(jax.random.key(0), images, **init_kwargs)
+    )
+    mutable = tuple(name for name in variables if name != "params")
+    loss_fn = _user_loss(module, loss, mutable, train=True)
+    two = {k: jnp.concatenate([jnp.asarray(v[:1])] * 2) for k, v in example.items()}
+    state = {k: v for k, v in variables.items() if k != "params"}
+    key = jax.random.key(0)
+    args = (variables["params"], state, two, key) if mutable else (variables["params"], two, key)
+    out = _guarded(spec, "the loss", lambda: jax.eval_shape(loss_fn, *args))
+    losses = out[0][0] if mutable else out[0]
+    if np.shape(losses) != (2,):
+        raise ValueError(
+            f"--model {spec!r}: the loss must return one value per example, shape (2,) for "
+            f"2 examples; it returned shape {np.shape(losses)} (drop its mean)."
+        )
+    metric_fn = _metric_fn(_user_loss(module, loss, mutable, train=False), bool(mutable))
+    return ImageModel(module, mutable, loss_fn, metric_fn, init_kwargs)
+
+
+def _guarded(spec: str, what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, its error (any but a bad flag's own) one line naming ``--model``."""
+    try:
+        return call()
+    except ValueError as exc:
+        if str(exc).startswith("--model"):
+            raise
+        error: Exception = exc
+    except Exception as exc:
+        error = exc
+    first = str(error).splitlines()[0] if str(error) else ""
+    raise ValueError(f"--model {spec!r}: {what} raised {type(error).__name__}: {first}") from None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
+    """The zoo model ``config.model`` names, or the user's from ``package.module:factory``.
+
+    A factory is called with the number of classes and returns ``(module, loss)``: a
+    Flax linen module from images ``[m, H, W, C]`` to logits ``[m, classes]`` (given
+    ``train=`` when its ``__call__`` takes it; collections besides ``params``, such as
+    ``batch_stats``, are updated in training) and ``loss(logits, labels)``, one loss per
+    example.
+
+    Raises:
+        ValueError: one line naming ``--model`` when the factory, its module or its loss
+            does not keep that contract.
+
+    Example:
+        >>> from jax_adaptive.datasets import SyntheticSource
+        >>> model = image_model(TrainConfig(model="mlp"), 10, SyntheticSource(2)[0])
+        >>> type(model.module).__name__, model.mutable
+        ('MLP', ())
+    """
+    if ":" in config.model:
+        return _user_model(
+            config, num_classes, {k: np.asarray(v)[None] for k, v in example.items()}
+        )
+    return _zoo_model(config, num_classes)
+
+
+def _image_trainer(
+    config: TrainConfig, model: ImageModel, memory_limit: int | None
+) -> AdaptiveTrainer:
+    return AdaptiveTrainer(
+        model.loss_fn,
         make_optimizer(config),
         target_batch_size=config.target_batch_size,
         micro_batch_size=config.micro_batch_size,
-        memory_limit=config.memory_limit,
-        multiple_of=ghost or 1,
+        memory_limit=memory_limit,
+        multiple_of=math.lcm(config.multiple_of or 1, model.ghost or 1),
         has_aux=True,
-        has_state=bool(mutable),
+        has_state=bool(model.mutable),
         objective=config.objective,
         plan_cache=config.plan_cache_arg(),
         mesh=data_mesh() if config.data_parallel else None,
     )
-    return model, mutable, trainer
 
 
-def _plan_line(trainer: AdaptiveTrainer, seconds: float, done: int, cached: bool) -> str:
+SIMULATED_SHARE = 4
+"""The simulated device holds about ``1 / SIMULATED_SHARE`` of a target batch's activations."""
+
+
+def _simulates(config: TrainConfig) -> bool:
+    """Whether the run simulates a small device: a CPU, ``auto``, no ``--memory-limit``."""
+    return (
+        config.simulate_device
+        and config.memory_limit is None
+        and config.micro_batch_size == "auto"
+        and not config.data_parallel
+        and jax.devices()[0].platform == "cpu"
+    )
+
+
+def _simulated_limit(config: TrainConfig, model: ImageModel, params: Any, state: Any,
+                     example: Any) -> tuple[int, int, float]:  # fmt: skip
+    """A small device for this model: its bytes, and the probe's compiles and seconds.
+
+    A probe (no plan cache) measures the ledger of the smallest micro-batch the plan
+    allows and of the whole target batch. The device holds the first and a
+    `SIMULATED_SHARE`-th of the difference (about a quarter of the target batch), and
+    at least the train state beside the smallest micro-step's ledger (the optimizer step
+    holds the state twice).
+    """
+    start, T = time.perf_counter(), config.target_batch_size
+    probe = AdaptiveTrainer(
+        model.loss_fn, make_optimizer(config), target_batch_size=T, micro_batch_size=T,
+        has_aux=True, has_state=bool(model.mutable), plan_cache=False,
+    )  # fmt: skip
+    probe.init(params, example, model_state=state)
+    small = probe.ledger(min(T, math.lcm(config.multiple_of or 1, model.ghost or 1)))
+    whole = probe.ledger(T).total
+    limit = max(small.total + (whole - small.total) // SIMULATED_SHARE, small.total + small.state)
+    return limit, probe.compiles, time.perf_counter() - start
+
+
+def _simulation_line(limit: int, compiles: int, seconds: float, T: int) -> str:
+    return (
+        f"simulating a device of {limit / 1e6:.2f} MB on this CPU (room for about a quarter "
+        f"of the target batch of {T} and the optimizer step; measured in {compiles} "
+        f"compiles, {seconds:.1f}s), so that the plan searches and accumulates: "
+        "--memory-limit BYTES sets the size, --no-simulated-device trains without a cap"
+    )
+
+
+def _plan_line(trainer: AdaptiveTrainer, search: dict[str, Any], done: int) -> str:
     per_device = trainer.micro_batch_size // trainer.shards
+    largest = trainer.plan_info.largest
+    where = search["from_plan_cache"]
     return (
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {trainer.target_batch_size}; "
-        f"{trainer.compiles} sizes compiled in {seconds:.1f}s"
+        f"{search['compiles']} sizes compiled in {search['search_seconds']:.1f}s"
         + (f"; {per_device} per device on {trainer.shards}" if trainer.shards > 1 else "")
-        + (" (from the plan cache)" if cached else "")
+        + (
+            f" (largest that fits: {largest})"
+            if largest not in (None, trainer.micro_batch_size)
+            else ""
+        )
+        + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
         + (f"; resumed at update {done}" if done else "")
     )
 
 
 def _image_line(line: dict[str, Any]) -> str:
-    return (
-        f"update {line['update']:4d}  loss {line['loss']:.4f}  accuracy "
-        f"{line['accuracy']:.3f}  micro-batch {line['micro_batch_size']}"
+    text = (
+        f"update {line['update']:4d}  loss {line['loss']:.4f}  train_accuracy "
+        f"{line['train_accuracy']:.3f}  micro-batch {line['micro_batch_size']}"
     )
+    if "eval_loss" in line:
+        text += (
+            f"\nheld-out after update {line['update']}: loss {line['eval_loss']:.4f}  "
+            f"accuracy {line['eval_accuracy']:.3f}  ({line['eval_examples']} examples, "
+            f"batches of {line['eval_batch_size']})"
+        )
+    return text
+
+
+def _start(
+    config: TrainConfig, source: Source, out: TextIO
+) -> tuple[ImageModel, AdaptiveTrainer, TrainState, dict[str, Any]]:
+    """The model, its trainer and state, planned (on a simulated device where it applies)."""
+    example = next(ShuffledBatches(source, 1))
+    model = image_model(config, source.num_classes, source[0])
+    variables = model.module.init(
+        jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
+    )
+    params, model_state = variables.pop("params"), dict(variables)
+    model_state = model_state if model.mutable else ()
+    limit = config.memory_limit
+    if _simulates(config):
+        limit, compiles, seconds = _simulated_limit(config, model, params, model_state, example)
+        print(_simulation_line(limit, compiles, seconds, config.target_batch_size), file=out)
+    trainer = _image_trainer(config, model, limit)
+    start = time.perf_counter()
+    state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
+    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
+    search = {
+        "compiles": trainer.compiles,
+        "search_seconds": time.perf_counter() - start,
+        "from_plan_cache": str(trainer.plan_cache.path) if cached else None,
+        "memory_limit": limit,
+    }
+    return model, trainer, state, search
+
+
+def _evaluation(
+    config: TrainConfig, trainer: AdaptiveTrainer, model: ImageModel
+) -> Callable[[TrainState], dict[str, Any]] | None:
+    """The held-out evaluation of a state, as ``eval_*`` metrics (None: ``--eval-every 0``)."""
+    if not config.eval_every:
+        return None
+    held_out = all_examples(
+        load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
+    )
+
+    def evaluate(state: TrainState) -> dict[str, Any]:
+        metrics = trainer.evaluate(state, held_out, model.metric_fn)
+        return {
+            "eval_loss": metrics["loss"], "eval_accuracy": metrics["accuracy"],
+            "eval_examples": metrics["examples"],
+            "eval_batch_size": trainer.evaluator(model.metric_fn).batch_size,
+        }  # fmt: skip
+
+    return evaluate
 
 
 def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
@@ -108,50 +378,56 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     updates = config.updates
     if config.epochs is not None:
         updates = max(1, int(config.epochs * len(source) / config.target_batch_size))
-    model, mutable, trainer = _image_trainer(config, source.num_classes)
-    example = next(ShuffledBatches(source, 1))
-    variables = model.init(jax.random.key(config.seed), jnp.asarray(example["image"]))
-    params, model_state = variables.pop("params"), dict(variables)
-    start = time.perf_counter()
-    state = trainer.init(
-        params, example, rng=jax.random.key(config.seed), model_state=model_state if mutable else ()
-    )
-    search_seconds = time.perf_counter() - start
+    model, trainer, state, search = _start(config, source, out)
+    evaluate = _evaluation(config, trainer, model)
     position, done = 0, 0
     if config.resume and workdir is not None and workdir.checkpoints is not None:
         restored = workdir.checkpoints.restore(state)
         if restored is not None:
             state, position = restored
             done = int(state.updates)
-    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
-    print(_plan_line(trainer, search_seconds, done, cached), file=out)
+    print(_plan_line(trainer, search, done), file=out)
     batches = ShuffledBatches(source, config.target_batch_size, seed=config.seed, start=position)
 
     def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
         state, metrics = trainer.step(state, next(batches))
         loss = float(metrics["loss"])  # blocks: the time below is the update's
+        seconds = time.perf_counter() - tick
         return state, {
-            "loss": loss, "accuracy": float(metrics["accuracy"]),
+            "loss": loss, "train_accuracy": float(metrics["accuracy"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": trainer.accumulation_steps,
-            "examples_per_s": config.target_batch_size / (time.perf_counter() - tick),
+            "examples_per_s": config.target_batch_size / seconds, "seconds": seconds,
         }  # fmt: skip
 
     state, lines = host_loop(
         step, state, config, done=done, updates=updates, describe=_image_line,
-        plans=lambda: {"plans": [plan_entry(trainer)], "search_seconds": search_seconds},
-        workdir=workdir, position=lambda: batches.position, out=out,
+        plans=lambda: {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]},
+        workdir=workdir, position=lambda: batches.position, out=out, evaluate=evaluate,
     )  # fmt: skip
+    return _summary(trainer, search, lines)
+
+
+def _summary(
+    trainer: AdaptiveTrainer, search: dict[str, Any], lines: list[dict[str, Any]]
+) -> dict[str, Any]:
+    seconds = sum(line["seconds"] for line in lines)
+    evaluated = [line for line in lines if "eval_loss" in line]
     return {
         "micro_batch_size": trainer.micro_batch_size,
         "accumulation_steps": trainer.accumulation_steps,
-        "compiles": trainer.compiles,
-        "search_seconds": search_seconds,
-        "from_plan_cache": cached,
-        "examples_per_s": lines[-1]["examples_per_s"] if lines else 0.0,
+        **search,
+        "from_plan_cache": search["from_plan_cache"] is not None,
+        "plan_cache": search["from_plan_cache"],
+        "compiles_total": trainer.compiles,
+        "examples_per_s": trainer.target_batch_size * len(lines) / seconds if lines else 0.0,
+        "updates": len(lines),
         "losses": [line["loss"] for line in lines],
-        "accuracy": lines[-1]["accuracy"] if lines else None,
+        "train_accuracy": lines[-1]["train_accuracy"] if lines else None,
+        "held_out": {k[5:]: evaluated[-1][k] for k in evaluated[-1] if k.startswith("eval_")}
+        if evaluated
+        else None,
     }
 
 
@@ -178,10 +454,15 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
 
 
 def _summary_line(summary: dict[str, Any]) -> str:
-    losses = summary["losses"]
+    losses, held_out = summary["losses"], summary["held_out"]
     return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
-        f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s, "
-        f"{summary['examples_per_s']:.0f} examples/s, final loss "
-        + (f"{losses[-1]:.4f} accuracy {summary['accuracy']:.3f}" if losses else "n/a")
-    )
+        f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s"
+        + (" (from the plan cache)" if summary["from_plan_cache"] else "")
+        + f", {summary['examples_per_s']:.0f} examples/s (mean over {summary['updates']} "
+        "updates), final "
+        + (f"loss {losses[-1]:.4f} train_accuracy {summary['train_accuracy']:.3f}" if losses
+           else "loss n/a")
+        + (f", held-out loss {held_out['loss']:.4f} accuracy {held_out['accuracy']:.3f} "
+           f"({held_out['examples']} examples)" if held_out else "")
+    )  # fmt: skip

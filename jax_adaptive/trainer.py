@@ -23,6 +23,7 @@ import optax
 from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Placement, place
+from jax_adaptive.evaluate import Evaluator, MetricFn
 from jax_adaptive.executables import Executables, FaultHook
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import Ledger, MemoryModel
@@ -178,6 +179,8 @@ class AdaptiveTrainer:
             chunk=chunk, device=self.placement.device, memory_prior=memory_prior,
         )  # fmt: skip
         self._updater = Updater(self._planner, self.placement, in_flight)
+        self._has_state = has_state
+        self._evaluators: dict[Callable[..., Any], Evaluator] = {}
 
     # ----------------------------------------------------------------- what it holds
 
@@ -437,6 +440,90 @@ class AdaptiveTrainer:
         checks.check_batch(batch, weights, self._executables.example, self.target_batch_size)
         return self._updater.run(state, batch, weights)
 
+    def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
+        """The `jax_adaptive.Evaluator` this trainer keeps for ``metric_fn`` (made on first use).
+
+        One per function object: it compiles each evaluation size once and remembers its
+        plan, so pass the same function each time (not a new lambda). It shares the
+        trainer's device, ``memory_limit`` (followed after `set_memory_limit`), ``headroom``
+        and plan cache; its search, sizes and out-of-memory shrinking are its own.
+
+        Args:
+            metric_fn: as in `evaluate`.
+
+        Returns:
+            The evaluator: its ``batch_size``, ``largest``, ``search_log`` and
+            ``fault_hook`` (`jax_adaptive.testing.inject_oom` takes it).
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
+            ...                              target_batch_size=8, plan_cache=False)
+            >>> error = lambda p, b: {"error": (b * p) ** 2}
+            >>> trainer.evaluator(error) is trainer.evaluator(error)
+            True
+        """
+        evaluator = self._evaluators.get(metric_fn)
+        if evaluator is None:
+            evaluator = self._evaluators[metric_fn] = Evaluator(
+                _with_model_state(metric_fn) if self._has_state else metric_fn,
+                memory_limit=self.memory_limit,
+                headroom=self.headroom,
+                plan_cache=False if self.plan_cache is None else self.plan_cache,
+                device=self.device,
+            )
+        evaluator.memory_limit = self.memory_limit
+        return evaluator
+
+    def evaluate(
+        self, state: TrainState, data: Any, metric_fn: Callable[..., Any], *, predict: bool = False
+    ) -> Any:
+        """Evaluates ``metric_fn`` over ``data`` at the largest batch that fits beside the state.
+
+        The evaluation program holds no gradients, so its batch is usually many times the
+        training micro-batch; it is sized by its own search under the same device (the
+        train state counted as live: ``resident=state``). An out-of-memory while it runs
+        shrinks the evaluation size only, never training's micro-batch, and loses or
+        repeats no example. The means are those of one full pass (padding masked).
+
+        Args:
+            state: the `TrainState` (left as it is).
+            data: one batch of all the examples (a dict, tuple or array with a leading
+                example axis) or a stream of batches of any sizes (a list or iterable,
+                read once).
+            metric_fn: ``(params, batch) -> {name: per-example values}``, or with
+                ``has_state=True`` ``(params, model_state, batch) -> ...``; with
+                ``predict=True`` it may return any per-example pytree.
+            predict: return every example's outputs (concatenated on the host) instead
+                of the means.
+
+        Returns:
+            ``{name: mean, ..., "examples": n}``, or with ``predict`` the outputs.
+
+        Under a ``mesh``, evaluation runs on this process's first device, on a copy of the
+        parameters (and model state) gathered there, counted beside the state; a
+        parameter not fully held by this process (several processes) cannot be copied.
+
+        Raises:
+            NothingFitsError: when even a batch of 1 does not fit beside the state.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2, optax.sgd(0.1),
+            ...                              target_batch_size=4, plan_cache=False)
+            >>> state = trainer.init(jnp.ones(()), np.ones(4, np.float32))
+            >>> trainer.evaluate(state, np.arange(3, dtype=np.float32),
+            ...                  lambda p, b: {"error": (b * p - 1) ** 2})
+            {'error': 0.6666666666666666, 'examples': 3}
+        """
+        self._require_init()
+        evaluator = self.evaluator(metric_fn)
+        params = (state.params, state.model_state) if self._has_state else state.params
+        if self.mesh is not None:
+            params = jax.device_put(params, self.device)
+        run = evaluator.predict if predict else evaluator.evaluate
+        return run(params, data, resident=state)
+
     def fit(
         self,
         state: TrainState,
@@ -445,6 +532,9 @@ class AdaptiveTrainer:
         *,
         progress: bool = False,
         on_update: Callable[[int, dict[str, Any]], None] | None = None,
+        eval_every: int | None = None,
+        eval_data: Any = None,
+        metric_fn: Callable[..., Any] | None = None,
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
@@ -466,7 +556,16 @@ class AdaptiveTrainer:
             num_updates: how many updates to run; None runs until the stream ends.
             progress: show a progress bar (update, examples/s, micro-batch size and
                 accumulation steps).
-            on_update: called with the update's number and metrics after each update.
+            on_update: called with the update's number and metrics after each update
+                (after its evaluation, whose results it sees).
+            eval_every: evaluate ``metric_fn`` over ``eval_data`` (`evaluate`) after
+                every ``eval_every`` updates, and after the last one when
+                ``num_updates`` is given; each mean goes into that update's metrics as
+                ``eval_<name>`` (and ``eval_examples``). None: no evaluation.
+            eval_data: the held-out data, as `evaluate` takes it: one batch, a list of
+                batches, or a callable returning a fresh iterable each time (a
+                generator would be spent after one evaluation).
+            metric_fn: the per-example metrics, as `evaluate` takes them.
 
         Returns:
             The state and one metrics dict (host values) per update.
@@ -483,19 +582,55 @@ class AdaptiveTrainer:
             >>> state, history = trainer.fit(state, stream)
             >>> len(history), [h["examples"] for h in history]
             (2, [8, 8])
+            >>> error = lambda p, b: {"error": (b * p - 1) ** 2}  # evaluated every update
+            >>> state, history = trainer.fit(state, [np.ones(8, np.float32)], eval_every=1,
+            ...                              eval_data=np.ones(3, np.float32), metric_fn=error)
+            >>> sorted(history[0])[:3], history[0]["eval_examples"]
+            (['accumulation_steps', 'eval_error', 'eval_examples'], 3)
         """
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
+        after = self._evaluation_hook(eval_every, eval_data, metric_fn, num_updates)
         stream = Rebatcher(batches, self.target_batch_size)
         state, history = fit_loop(
-            self.step, state, stream, num_updates, progress=progress, on_update=on_update
-        )
+            self.step, state, stream, num_updates, progress=progress, on_update=on_update,
+            after_update=after,
+        )  # fmt: skip
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history
 
     # ----------------------------------------------------------------- internals
 
+    def _evaluation_hook(
+        self, every: int | None, data: Any, metric_fn: Callable[..., Any] | None, last: int | None
+    ) -> Callable[[int, TrainState], dict[str, Any]] | None:
+        """``fit``'s evaluation after an update: ``eval_<name>`` metrics when one is due."""
+        if every is None:
+            if data is not None or metric_fn is not None:
+                raise ValueError("eval_data and metric_fn need eval_every (updates between).")
+            return None
+        checks.positive_int("eval_every", every)
+        if data is None or not callable(metric_fn):
+            raise ValueError("eval_every needs eval_data and a callable metric_fn.")
+
+        def after(update: int, state: TrainState) -> dict[str, Any]:
+            if update % every and update != last:
+                return {}
+            metrics = self.evaluate(state, data() if callable(data) else data, metric_fn)
+            return {f"eval_{name}": value for name, value in metrics.items()}
+
+        return after
+
     def _require_init(self) -> None:
         if self._planner.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
+
+
+def _with_model_state(metric_fn: Callable[..., Any]) -> MetricFn:
+    """``(params, model_state, batch)`` as the evaluator's ``((params, model_state), batch)``."""
+
+    def metric(variables: tuple[Any, Any], batch: Any) -> Any:
+        return metric_fn(variables[0], variables[1], batch)
+
+    return metric

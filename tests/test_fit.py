@@ -139,3 +139,24 @@ def test_a_sequence_too_long_for_every_bucket_keeps_the_bucketed_updates():
     p = -0.1 * (-2 * (7 * 7 + 6 * 6 - 13 * 0.0) / 13)
     p = p - 0.1 * (-2 * (3 * 3 + 2 * 2 + 4 * 4 + 1 * 1 - 10 * p) / 10)
     np.testing.assert_allclose(error.state.params, p, rtol=1e-6)
+
+
+def test_fit_evaluates_every_n_updates_and_after_the_last():
+    def metric_fn(params, batch):  # per example
+        return {"loss": loss(params, batch, None)}
+
+    t, state = trainer()
+    held_out = examples(range(1000, 1013))
+    seen = []
+    state, history = t.fit(
+        state, chunks(), num_updates=5, eval_every=2, eval_data=held_out, metric_fn=metric_fn,
+        on_update=lambda update, metrics: seen.append(dict(metrics)),
+    )  # fmt: skip
+    evaluated = [u for u, h in enumerate(history, 1) if "eval_loss" in h]
+    assert evaluated == [2, 4, 5] and seen == history  # on_update sees the evaluation
+    for update in evaluated:  # plain jax on the parameters after that many plain updates
+        expected = np.mean(np.asarray(loss(reference(update), held_out, None), np.float64))
+        np.testing.assert_allclose(history[update - 1]["eval_loss"], expected, rtol=1e-6)
+        assert history[update - 1]["eval_examples"] == 13
+    with pytest.raises(ValueError, match="eval_every needs eval_data"):
+        t.fit(state, chunks(), eval_every=2, metric_fn=metric_fn)

@@ -13,6 +13,7 @@ from helpers import (
 
 import jax_adaptive as ja
 from jax_adaptive.models import MLP, linen_classifier_loss
+from jax_adaptive.testing import inject_oom
 
 T = 12
 OPTIMIZERS = {
@@ -433,3 +434,61 @@ def test_planning_another_shape_searches_it_afresh(estimates):
     assert "cache" not in {t.decided_by for t in again.search_log[seen:]}
     state, metrics = again.step(state, batch_of(4096))
     assert metrics["micro_batch_size"] == 6
+
+
+def _squared_error(params, batch):
+    """Per-example metrics for `AdaptiveTrainer.evaluate`: a float and an int count."""
+    error = mlp_loss(params, batch, None)
+    return {"error": error, "small": (error < 1.0).astype(jnp.int32)}
+
+
+def _plain_means(params, data):
+    """The reference: one jitted call over every example, means in float64 on the host."""
+    error = np.asarray(jax.jit(mlp_loss)(params, data, None), np.float64)
+    return {"error": error.mean(), "small": (error < 1.0).mean()}
+
+
+def mlp_loss_per_example(params, batch):
+    return mlp_loss(params, batch, None)
+
+
+def test_evaluate_equals_a_full_pass_and_its_oom_shrinks_only_evaluation():
+    batches, held_out = regression_batches(2, 16, seed=5), regression_batches(1, 40, seed=6)[0]
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=16,
+                                 memory_limit=20_000, plan_cache=False)  # fmt: skip
+    state = trainer.init(mlp_params(), batches[0])
+    state, _ = trainer.step(state, batches[0])
+    micro = trainer.micro_batch_size
+    assert micro < 16  # training accumulates under this device
+    evaluator = trainer.evaluator(_squared_error)
+    with inject_oom(evaluator, executions={1}) as faults:
+        metrics = trainer.evaluate(state, held_out, _squared_error)
+    (_, failed), expected = faults.injected[0], _plain_means(state.params, held_out)
+    assert metrics["examples"] == 40 and evaluator.batch_size < failed
+    assert evaluator.largest > micro  # no gradients: a larger batch than training's
+    np.testing.assert_allclose(metrics["error"], expected["error"], rtol=1e-6)
+    assert metrics["small"] == expected["small"]
+    assert evaluator.ledger(1).state >= sum(x.nbytes for x in jax.tree.leaves(state))
+    state, _ = trainer.step(state, batches[1])
+    assert trainer.micro_batch_size == micro  # training's plan is untouched
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+    predicted = trainer.evaluate(state, held_out, mlp_loss_per_example, predict=True)
+    np.testing.assert_allclose(predicted, jax.jit(mlp_loss)(state.params, held_out, None),
+                               rtol=1e-6)  # fmt: skip
+
+
+def test_evaluate_passes_the_model_state_with_has_state():
+    def loss_fn(params, model_state, batch, rng):
+        return mlp_loss(params, batch, rng) * model_state["scale"], model_state
+
+    def metric_fn(params, model_state, batch):
+        return {"scaled": mlp_loss(params, batch, None) * model_state["scale"]}
+
+    data = regression_batches(1, 12, seed=2)[0]
+    trainer = ja.AdaptiveTrainer(loss_fn, optax.sgd(0.1), target_batch_size=12, has_state=True,
+                                 plan_cache=False)  # fmt: skip
+    state = trainer.init(mlp_params(), data, model_state={"scale": jnp.float32(3.0)})
+    metrics = trainer.evaluate(state, [data], metric_fn)
+    expected = 3.0 * np.mean(np.asarray(jax.jit(mlp_loss)(state.params, data, None), np.float64))
+    np.testing.assert_allclose(metrics["scaled"], expected, rtol=1e-6)

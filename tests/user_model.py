@@ -1,0 +1,46 @@
+"""A user's own model for ``python -m jax_adaptive.train --model user_model:make_model``.
+
+Written the way the official Flax examples write a model (the MNIST example's CNN: a
+linen Module with ``nn.compact``), smaller, with a per-example cross-entropy: the
+factory returns the model and its loss, one value per example, no mean.
+"""
+
+import flax.linen as nn
+import optax
+
+
+class CNN(nn.Module):
+    """A simple CNN model, as in the Flax MNIST example (narrower)."""
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=8, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = nn.Dense(features=32)(x)
+        x = nn.relu(x)
+        x = nn.Dense(features=self.num_classes)(x)
+        return x
+
+
+def cross_entropy(logits, labels):
+    """Per-example softmax cross-entropy: shape [m]."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def make_model(num_classes):
+    """The factory ``--model`` calls: (model, per-example loss)."""
+    return CNN(num_classes=num_classes), cross_entropy
+
+
+def mean_loss_model(num_classes):
+    """A mistake the command line must name: the loss is a mean, not per example."""
+    return CNN(num_classes=num_classes), lambda logits, labels: cross_entropy(logits, labels).mean()
+
+
+def not_a_pair(num_classes):
+    """Another: the factory returns the model alone."""
+    return CNN(num_classes=num_classes)
