@@ -84,46 +84,41 @@ def trainer_update(params, loss, m: int, batch, *, chunk: int | str, on_device: 
     return update, trainer
 
 
-def optax_update(params, loss, m: int, batch):
+def jitted_update(params, batch, grads_of: Callable) -> Callable[[], None]:
+    """One jitted Adam update per call from ``grads_of(params, batch)``, the batch on the device."""
     optimizer = optax.adam(1e-3)
 
     def step(p, opt_state, b):
+        updates, opt_state = optimizer.update(grads_of(p, b), opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
+    data = jax.device_put(batch)
+
+    def update() -> None:
+        box[0], box[1] = step(box[0], box[1], data)
+        jax.block_until_ready(box[0])
+
+    return update
+
+
+def optax_update(params, loss, m: int, batch):
+    """``optax.microbatch``: its in-jit loop over micro-batches of ``m`` (``m`` divides T)."""
+
+    def grads_of(p, b):
         def grad_sum(p, micro):
             return jax.grad(lambda q: loss(q, micro).sum())(p)
 
         grads = optax.microbatch(grad_sum, argnums=1, microbatch_size=m)(p, b)
-        grads = jax.tree.map(lambda g: g / T, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
+        return jax.tree.map(lambda g: g / T, grads)
 
-    step = jax.jit(step, donate_argnums=(0, 1))
-    box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
-    data = jax.device_put(batch)
-
-    def update() -> None:
-        box[0], box[1] = step(box[0], box[1], data)
-        jax.block_until_ready(box[0])
-
-    return update
+    return jitted_update(params, batch, grads_of)
 
 
 def full_update(params, loss, batch):
-    optimizer = optax.adam(1e-3)
-
-    def step(p, opt_state, b):
-        grads = jax.grad(lambda q: loss(q, b).mean())(p)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
-    box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
-    data = jax.device_put(batch)
-
-    def update() -> None:
-        box[0], box[1] = step(box[0], box[1], data)
-        jax.block_until_ready(box[0])
-
-    return update
+    """One full-batch step: no accumulation."""
+    return jitted_update(params, batch, lambda p, b: jax.grad(lambda q: loss(q, b).mean())(p))
 
 
 def measure(variants: dict[str, Callable[[], None]], rounds: int, per_round: int) -> dict:
