@@ -43,6 +43,7 @@ from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad, micro_batc
 from jax_adaptive.oom import HostOutOfMemory, PeerOutOfMemory, SimulatedOutOfMemory, is_oom
 from jax_adaptive.plan import Plan, chunk_length, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, enable_compilation_cache, plan_key
+from jax_adaptive.schedule import BatchSchedule, batch_schedule
 from jax_adaptive.search import NothingFitsError, SearchResult, SearchTrial, search_max_size
 from jax_adaptive.step import TrainState, make_micro_step, make_optimizer_step, multi_steps
 from jax_adaptive.trainer import (
@@ -55,6 +56,7 @@ from jax_adaptive.trainer import (
 __all__ = [
     "AdaptiveStep",
     "AdaptiveTrainer",
+    "BatchSchedule",
     "Bucket",
     "BucketBatch",
     "BucketedTrainer",
@@ -77,6 +79,7 @@ __all__ = [
     "SizeTrial",
     "StateLostError",
     "TrainState",
+    "batch_schedule",
     "bucket_batches",
     "bucket_for",
     "chunk_length",

@@ -232,7 +232,7 @@ def _dtype(x: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
-def check_batch(batch: Any, weights: Any, example: Any, T: int) -> None:
+def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | None = None) -> None:
     """Raises a one-line error for a batch (or weights) the compiled programs would not take.
 
     Args:
@@ -240,6 +240,8 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int) -> None:
         weights: its per-example weights, or None.
         example: ``ShapeDtypeStruct``s of one example, as the trainer was planned for.
         T: the target batch size.
+        update: with a batch-size schedule, the update the batch is for (its number of
+            updates so far), named in the error; None for a constant target.
 
     Example:
         >>> example = {"x": jax.ShapeDtypeStruct((3,), np.float32)}
@@ -249,6 +251,11 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int) -> None:
         ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
     """
     size = leading_size(batch)
+    if size != T and update is not None:
+        raise ValueError(
+            f"the batch has leading size {size}, but the batch-size schedule gives "
+            f"target_batch_size={T} at update {update} (state.updates): pass {T} examples."
+        )
     if size != T:
         raise ValueError(
             f"the batch has leading size {size}, but each step takes exactly "

@@ -151,7 +151,9 @@ class Rebatcher:
 
     Args:
         batches: an iterable of pytrees of host arrays, any leading size (0 included).
-        size: the leading size of each batch yielded.
+        size: the leading size of each batch yielded. It may be set again between
+            batches: `jax_adaptive.AdaptiveTrainer.fit` sets it to each update's size
+            under a batch-size schedule.
 
     Attributes:
         consumed: examples this Rebatcher yielded (the stream position, for resuming).

@@ -64,6 +64,7 @@ class MicroArgs(NamedTuple):
     rng: Any
     offset: Any
     k: Any
+    target: Any = None  # the update's target batch size T: a runtime int32
 
 
 DONATED = ("acc_grads", "totals")
@@ -138,7 +139,10 @@ class Executables:
     Args:
         loss_fn: the per-example loss (see `jax_adaptive.AdaptiveTrainer`).
         optimizer: the inner optax optimizer.
-        target_batch_size: examples per update.
+        target_batch_size: examples per update now: the bound of the sizes and chunks it
+            compiles (`jax_adaptive.planner.Planner.set_target` changes it as a
+            batch-size schedule grows). The programs themselves take ``T`` at run time
+            (`MicroArgs.target`): one compile per size serves every target.
         has_aux: ``loss_fn`` returns ``(losses, aux)``.
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
@@ -204,7 +208,7 @@ class Executables:
             make_micro_step(
                 loss_fn,
                 optimizer,
-                target_batch_size,
+                None,  # T is the programs' runtime argument (MicroArgs.target)
                 has_aux=has_aux,
                 has_state=has_state,  # per device, a trace sees one device's rows
                 on_trace=lambda rows, counts=counts: counts.update([rows * self._shards]),
@@ -325,6 +329,7 @@ class Executables:
             rng=s.rng,
             offset=i32,
             k=i32,
+            target=i32,
         )
 
     def lower(self, size: int, chunk: int = 1) -> Any:
@@ -379,6 +384,8 @@ class Executables:
         """
         report = self.report(size, chunk)
         args = self.micro_structs(size, chunk)
+        # The runtime target (one int32 scalar, 4 bytes) is not counted, so that a
+        # size's ledger is the same as before targets were runtime values.
         inputs = tree_bytes((args.batch, args.weights, args.offset, args.k))
         new_outputs = report["output"] - report["alias"]
         return Ledger(
@@ -448,9 +455,7 @@ class Executables:
             s = self.state_structs
             k = jax.ShapeDtypeStruct((), jnp.int32)
             opt_state = s.opt_state._replace(acc_grads=self.acc_struct)
-            step = make_optimizer_step(
-                self.optimizer, self.target_batch_size, per_device=self.per_device
-            )
+            step = make_optimizer_step(self.optimizer, per_device=self.per_device)
             start = time.perf_counter()
             compiled = (
                 jax.jit(
@@ -458,7 +463,7 @@ class Executables:
                     donate_argnames=("params", "opt_state") if donate else (),
                     out_shardings=_shardings((s.params, s.opt_state, self.means_struct)),
                 )
-                .lower(s.params, opt_state, self.totals_struct, k)
+                .lower(s.params, opt_state, self.totals_struct, k, k)
                 .compile()
             )
             self._optimizer[donate] = Executable(
@@ -497,6 +502,7 @@ class Executables:
                 rng=state.rng,
                 offset=np.int32(0),
                 k=np.int32(2),
+                target=np.int32(self.target_batch_size),
             )
             start = time.perf_counter()
             jax.block_until_ready(compiled(*args))

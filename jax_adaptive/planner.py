@@ -48,9 +48,16 @@ GrowPolicy = Literal["never", "on_limit_change"] | int
 class Planner:
     """Plans the micro-batch size over an `jax_adaptive.executables.Executables`.
 
+    The plan does not depend on the target batch size ``T``, only capped by it: a
+    batch-size schedule changes ``T`` between updates (`set_target`) and the size is
+    then the largest known to fit below the new ``T`` (searched upward, from the sizes
+    already measured, when ``T`` grows past the sizes the last search could try),
+    trimmed to the least padding for the new ``T``; the chunk is decided again for the
+    new number of micro-steps.
+
     Args:
         executables: the compiled pieces (bound to a state and an example shape).
-        target_batch_size: examples per update.
+        target_batch_size: examples per update (the first update's, with a schedule).
         fixed: a fixed size, never searched nor changed; None to search.
         memory_limit, headroom, grow, oom_retries, multiple_of, plan_cache,
             objective, chunk: as `jax_adaptive.AdaptiveTrainer` documents them.
@@ -112,6 +119,7 @@ class Planner:
         self.chunk_limit = chunk
         self._chunk: int | None = None  # decided at the size's first update
         self.largest: int | None = None  # the largest size that fits, when searched
+        self._open = True  # no size above `largest` was tried: a larger target searches up
         self._generation = 0  # the executables' binding the memory model measured
         self._others = 0  # bytes other live arrays held on the device at the last plan
         self._oom_streak = 0  # out-of-memory errors since the last micro-step that ran
@@ -177,29 +185,81 @@ class Planner:
             self.executables.ledger(self.size, self.chunk) if known else None,
             self.capacity(),
             self._chunk,
-            self.largest,
+            None if self.largest is None else min(self.largest, self.target_batch_size),
         )
 
     # ------------------------------------------------------------ planning
 
-    def plan_for(self, state: TrainState) -> int:
-        """Plans the size for a bound state: fixed, from the plan cache, or searched."""
+    def plan_for(self, state: TrainState, target_batch_size: int | None = None) -> int:
+        """Plans the size for a bound state: fixed, from the plan cache, or searched.
+
+        ``target_batch_size``: the next update's (a schedule's), if it changed.
+        """
+        if target_batch_size is not None:
+            self.target_batch_size = self.executables.target_batch_size = target_batch_size
         if self._generation != self.executables.generation:  # another shape: measure anew
             self._generation = self.executables.generation
             self.memory_model = MemoryModel(prior=self.memory_model.prior)
         self._measure_others()
         self.optimizer_step()  # compiles it, and checks that the state itself fits
         if self.fixed is not None:
-            self.executables.micro(self.fixed)
-            self._use(self.fixed)
+            size = self._fixed_for(self.target_batch_size)
+            self.executables.micro(size)
+            self._use(size)
             return self.size
+        self.largest, self._open = None, True
         size = self._cached_plan()
         if size is None:
-            size = process_min(self._search(hi=self.target_batch_size, reason="init"))
-            self.largest = size
+            size = self._searched(self.target_batch_size, "init")
             size = self._fastest(state, size) if self.objective == "throughput" else size
         self._use(self._trimmed(size))
         return self.size
+
+    def _searched(self, hi: int, reason: str, lo: int = 1) -> int:
+        """The largest size in ``[lo, hi]`` that fits, agreed; remembered as `largest`."""
+        self.largest = process_min(self._search(lo=lo, hi=hi, reason=reason))
+        self._open = self.largest + self._multiple > hi  # nothing above it could be tried
+        return self.largest
+
+    def _fixed_for(self, T: int) -> int:
+        """The fixed size, capped by ``T`` (a multiple of the data shards)."""
+        return self.fixed if self.fixed <= T else max(self.shards, T // self.shards * self.shards)
+
+    def set_target(self, T: int) -> None:
+        """Plans for updates of ``T`` examples (a batch-size schedule's next size).
+
+        Nothing changes when ``T`` does not. Otherwise the size is the largest known
+        to fit at or below ``T`` (no compile: a size below one that fits fits), or, when
+        ``T`` lies above every size the last search could try, the largest found by a
+        search from the largest known upward (sizes already measured are not compiled
+        again); then trimmed for ``T`` by the objective. The chunk is decided again.
+        A fixed size is kept, capped by ``T``.
+        """
+        if T == self.target_batch_size:
+            return
+        self.target_batch_size = self.executables.target_batch_size = T
+        if self.size is None:  # not planned yet: plan_for plans for T
+            return
+        if self.fixed is not None:
+            self._use(self._fixed_for(T))
+            return
+        known = self.largest if self.largest is not None else self.size
+        if T > known and self._open:
+            size = self._cached_plan() if self.largest is None else None
+            if size is not None:  # a run of the same job stored this target's plan
+                self._use(size)
+                return
+            largest = self._searched(T, f"target batch {T}", lo=known)
+        else:
+            largest = self._below(min(known, T))
+        self._use(self._trimmed(largest))
+
+    def _below(self, cap: int) -> int:
+        """The largest size at or below ``cap`` (which fits) that a search would prefer."""
+        multiple = self._multiple
+        if cap >= multiple:
+            return cap // multiple * multiple
+        return max(self.shards, cap // self.shards * self.shards)
 
     def _trimmed(self, largest: int) -> int:
         """The size the objective takes below the largest that fits (`least_padding_size`)."""
@@ -362,10 +422,9 @@ class Planner:
             self.sizes.learned_cap = None  # memory may have come back: let real runs decide
         self._measure_others()
         try:
-            grown = self._search(lo=self.size, hi=self.target_batch_size, reason="grow")
-        except NothingFitsError:
-            grown = self.size  # not even the current size fits now: the step shrinks it
-        self.largest = process_min(grown)
+            self._searched(self.target_batch_size, "grow", lo=self.size)
+        except NothingFitsError:  # not even the current size fits now: the step shrinks it
+            self.largest, self._open = process_min(self.size), False
         self._use(self._trimmed(self.largest))
 
     def finish_update(self) -> None:
@@ -405,8 +464,8 @@ class Planner:
         try:
             if size <= self.shards:
                 raise self.sizes.nothing_fits(size, []) from exc
-            reason = f"out of memory at size {size}"
-            self.largest = process_min(self._search(hi=size - 1, reason=reason))
+            self._searched(size - 1, f"out of memory at size {size}")
+            self._open = False  # ``size`` did not fit
             self._use(self._trimmed(self.largest))
         except NothingFitsError:
             # A real out-of-memory can pass (fragmentation, another job's peak): retry the

@@ -27,6 +27,7 @@ import tqdm
 from jax_adaptive import models
 from jax_adaptive.checkpoint import Checkpoints
 from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE
+from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
@@ -63,6 +64,7 @@ class TrainConfig:
     dataset: str = "synthetic"
     data_dir: str | None = None
     target_batch_size: int = 256
+    batch_schedule: str | None = None  # "0:64,20:256": the target batch grows (image models)
     micro_batch_size: int | str = "auto"
     memory_limit: int | None = None
     optimizer: str = "adam"
@@ -83,6 +85,29 @@ class TrainConfig:
     target_tokens: int | None = None  # --model gpt: padded tokens per update
     max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
     data_parallel: bool = False  # split each micro-batch over all devices
+
+    def schedule(self) -> BatchSchedule:
+        """The target batch size per update: ``batch_schedule``'s, else the constant.
+
+        Example:
+            >>> TrainConfig(batch_schedule="0:64,20:256").schedule()(20)
+            256
+        """
+        if self.batch_schedule is None:
+            return BatchSchedule(self.target_batch_size)
+        return parse_batch_schedule(self.batch_schedule)
+
+    def target_sizes(self) -> list[int]:
+        """Every target batch size the run may use (one without a schedule).
+
+        Example:
+            >>> TrainConfig(batch_schedule="0:64,20:256").target_sizes()
+            [64, 256]
+        """
+        schedule = self.schedule()
+        if schedule.steps is None:
+            return [self.target_batch_size]
+        return [size for _, size in schedule.steps]
 
     def plan_cache_arg(self) -> str | bool | None:
         """The trainer's ``plan_cache``: by default the workdir's ``plans.json``, if any.
@@ -149,15 +174,22 @@ def check_config(config: TrainConfig) -> None:
     if config.resume and config.workdir is None:
         raise ValueError("--resume needs --workdir (the directory of the run to resume).")
     _positive_int("--target-batch-size", config.target_batch_size, MAX_TARGET_BATCH_SIZE)
+    _check_schedule(config)
+    largest = max(config.target_sizes())
     if config.micro_batch_size != "auto":
         if (
             isinstance(config.micro_batch_size, bool)
             or not isinstance(config.micro_batch_size, int)
-            or not 0 < config.micro_batch_size <= config.target_batch_size
+            or not 0 < config.micro_batch_size <= largest
         ):
+            flag = (
+                "the largest size of --batch-schedule"
+                if config.batch_schedule
+                else ("--target-batch-size")
+            )
             raise ValueError(
                 f"--micro-batch-size {config.micro_batch_size!r} must be 'auto' or an int "
-                f"from 1 to --target-batch-size {config.target_batch_size}."
+                f"from 1 to {flag} {largest}."
             )
     if config.memory_limit is not None:
         _positive_int("--memory-limit", config.memory_limit)
@@ -189,6 +221,15 @@ def check_config(config: TrainConfig) -> None:
     _positive_int("--max-length", config.max_length)
     _directory_flag("--workdir", config.workdir)
     _directory_flag("--compilation-cache", config.compilation_cache)
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """``--batch-schedule``: parsed (one-line errors naming it), for image models only."""
+    if config.batch_schedule is None:
+        return
+    if config.model == "gpt":
+        raise ValueError("--batch-schedule is for image models; --model gpt takes --target-tokens.")
+    config.schedule()  # raises naming the flag
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -254,7 +295,7 @@ def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict
         "bucket": bucket,
         "micro_batch_size": trainer.micro_batch_size,
         "accumulation_steps": trainer.accumulation_steps,
-        "examples_per_update": trainer.target_batch_size,
+        "examples_per_update": trainer.target_batch_size,  # the next update's
         "compiles": trainer.compiles,
         "capacity": trainer.capacity(),
         "memory_limit": trainer.memory_limit,
@@ -295,8 +336,9 @@ class Workdir(contextlib.AbstractContextManager):
             ) from None
         self.checkpoints = None
         if run is not None:
-            self.checkpoints = Checkpoints(
-                self.path / "checkpoints", run, examples_per_update=config.target_batch_size
+            per_update = config.target_batch_size if config.batch_schedule is None else None
+            self.checkpoints = Checkpoints(  # a schedule's positions: checked on restore
+                self.path / "checkpoints", run, examples_per_update=per_update
             )
         held = self.checkpoints is not None and self.checkpoints.latest() is not None
         if held and not config.resume:

@@ -3,8 +3,9 @@
 An update of ``T`` examples is ``n = ceil(T / m)`` micro-steps and one optimizer step,
 all through ``optax.MultiSteps`` with ``use_grad_mean=False`` and ``k = n + 1``:
 
-* the **micro-step** (one compile per micro-batch size ``m``) computes the gradient of
-  ``sum(weights * losses) / T`` on one micro-batch (a weight of 0 masks a padding row)
+* the **micro-step** (one compile per micro-batch size ``m``, whatever ``T``: ``T`` is a
+  runtime argument, so a batch-size schedule compiles nothing new) computes the gradient
+  of ``sum(weights * losses) / T`` on one micro-batch (a weight of 0 masks a padding row)
   and adds it to the accumulator with ``MultiSteps.update``. It donates only the
   accumulator and the running totals; the parameters, the inner optimizer state and the
   model state are read, never donated, so a micro-step that fails (an out-of-memory)
@@ -142,10 +143,19 @@ def _check_per_example(name: str, value: Any, m: int) -> None:
         raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
 
 
+def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
+    """``total / T``: ``T`` the runtime ``target`` or else the built-in ``target_batch_size``."""
+    if target is None:
+        if target_batch_size is None:
+            raise TypeError("the step needs target=T (it was made without target_batch_size).")
+        target = target_batch_size
+    return total / jnp.asarray(target).astype(total.dtype)
+
+
 def make_micro_step(
     loss_fn: PerExampleLoss,
     optimizer: optax.GradientTransformation,
-    target_batch_size: int,
+    target_batch_size: int | None = None,
     *,
     has_aux: bool = False,
     has_state: bool = False,
@@ -154,12 +164,14 @@ def make_micro_step(
     """Builds the micro-step, to be jitted with ``donate_argnames=("acc_grads", "totals")``.
 
     Its arguments are ``(params, opt_state, acc_grads, model_state, totals, batch, weights,
-    rng, offset, k)``, where ``opt_state`` is the ``MultiStepsState`` with
+    rng, offset, k, target=None)``, where ``opt_state`` is the ``MultiStepsState`` with
     ``acc_grads=None`` (the accumulator travels apart, so that it alone is donated),
     ``totals`` the running weighted sums of the loss and the aux metrics, ``weights``
     each example's weight (0 for a padding row, 1 for a plain mean), ``offset`` the
     index of the micro-batch's first example in the target batch and ``k`` the
-    ``MultiSteps`` period. It returns ``(acc_grads, mini_step, model_state, totals)``.
+    ``MultiSteps`` period; ``target`` is the update's target batch size ``T`` (a traced
+    int: one compiled program serves every ``T``), by default ``target_batch_size``.
+    It returns ``(acc_grads, mini_step, model_state, totals)``.
 
     Example:
         >>> import optax
@@ -177,8 +189,9 @@ def make_micro_step(
     takes_weights = _takes_weights(loss_fn)  # once, not at every trace
 
     def micro_step(
-        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
-    ):
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+        target=None,
+    ):  # fmt: skip
         m = weights.shape[0]
         if on_trace is not None:
             on_trace(m)
@@ -199,7 +212,8 @@ def make_micro_step(
                     for name, v in {"loss": losses, **aux}.items()
                 }
                 sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
-                return jnp.sum(weighted["loss"]) / target_batch_size, (sums, new_state)
+                objective = _scale(jnp.sum(weighted["loss"]), target_batch_size, target)
+                return objective, (sums, new_state)
 
             grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
             _, new_opt = multi_steps(optimizer, k).update(
@@ -212,13 +226,17 @@ def make_micro_step(
 
 
 def make_optimizer_step(
-    optimizer: optax.GradientTransformation, target_batch_size: int, *, per_device: bool = False
+    optimizer: optax.GradientTransformation,
+    target_batch_size: int | None = None,
+    *,
+    per_device: bool = False,
 ) -> Callable[..., Any]:
     """Builds the optimizer step: the emitting mini-step of ``MultiSteps``.
 
-    Its arguments are ``(params, opt_state, totals, k)`` with ``opt_state.mini_step ==
-    k - 1``; it returns ``(params, opt_state, means)`` where ``means`` divides the totals
-    by the target batch size. Jit it without donation: a failure then leaves the state
+    Its arguments are ``(params, opt_state, totals, k, target=None)`` with
+    ``opt_state.mini_step == k - 1``; it returns ``(params, opt_state, means)`` where
+    ``means`` divides the totals by the target batch size (``target``, a traced int, or
+    by default ``target_batch_size``). Jit it without donation: a failure then leaves the state
     alive, and its peak (the state twice) does not depend on the micro-batch size.
 
     With ``per_device`` the accumulator and the totals carry a leading device axis (see
@@ -236,12 +254,12 @@ def make_optimizer_step(
         (0.0, 1, 2.0)
     """
 
-    def optimizer_step(params, opt_state, totals, k):
+    def optimizer_step(params, opt_state, totals, k, target=None):
         if per_device:
             opt_state, totals = _sum_over_devices(opt_state, totals)
         zeros = jax.tree.map(jnp.zeros_like, params)
         updates, new_opt = multi_steps(optimizer, k).update(zeros, opt_state, params)
-        means = {name: total / target_batch_size for name, total in totals.items()}
+        means = {name: _scale(total, target_batch_size, target) for name, total in totals.items()}
         return optax.apply_updates(params, updates), new_opt, means
 
     return optimizer_step
@@ -282,8 +300,9 @@ def scan_micro_steps(
     """
 
     def chunk_step(
-        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
-    ):
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+        target=None,
+    ):  # fmt: skip
         c = weights.shape[0] // size if split else weights.shape[0]
 
         def cut(x):
@@ -294,8 +313,9 @@ def scan_micro_steps(
             micro_batch, micro_weights, i = xs
             opt = opt_state._replace(mini_step=mini_step)
             out = micro_step(
-                params, opt, acc, state, sums, micro_batch, micro_weights, rng, offset + i * size, k
-            )
+                params, opt, acc, state, sums, micro_batch, micro_weights, rng, offset + i * size,
+                k, target,
+            )  # fmt: skip
             return out, None
 
         carry = (acc_grads, opt_state.mini_step, model_state, totals)
@@ -354,26 +374,27 @@ def per_device(
     """
 
     def on_device(
-        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k
-    ):
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+        target,
+    ):  # fmt: skip
         first_row = jax.lax.axis_index(axis) * weights.shape[-1]
 
-        def step(p, opt, acc, state, sums, rows, w, key, at, k_):
-            return micro_step(p, opt, acc, state, sums, rows, w, key, at + first_row, k_)
+        def step(p, opt, acc, state, sums, rows, w, key, at, k_, t=None):
+            return micro_step(p, opt, acc, state, sums, rows, w, key, at + first_row, k_, t)
 
         run = step if chunk_size is None else scan_micro_steps(step, chunk_size, split=False)
         acc, totals = jax.tree.map(lambda x: x[0], (acc_grads, totals))
         acc, mini_step, model_state, totals = run(
-            params, opt_state, acc, model_state, totals, batch, weights, rng, offset, k
+            params, opt_state, acc, model_state, totals, batch, weights, rng, offset, k, target
         )
         return _with_device_axis(acc), mini_step, model_state, _with_device_axis(totals)
 
     own, every = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     rows = own if chunk_size is None else jax.sharding.PartitionSpec(None, axis)
-    return jax.shard_map(
+    mapped = jax.shard_map(
         on_device,
         mesh=mesh,
-        in_specs=(every, every, own, every, own, rows, rows, every, every, every),
+        in_specs=(every, every, own, every, own, rows, rows, every, every, every, every),
         out_specs=(own, every, every, own),
         axis_names={axis},
         # Unchecked: the gradient of the replicated parameters is then each device's
@@ -381,6 +402,17 @@ def per_device(
         # mini-step, computed from replicated values alone, is the same on every device.
         check_vma=False,
     )
+
+    def with_target(
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+        target=None,
+    ):  # fmt: skip
+        return mapped(
+            params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+            target,
+        )  # fmt: skip
+
+    return with_target
 
 
 def _with_device_axis(tree: Any) -> Any:

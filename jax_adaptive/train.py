@@ -150,6 +150,15 @@ def _add_what_flags(parser: argparse.ArgumentParser) -> None:
         help="examples per optimizer update (default: 256)",
     )
     parser.add_argument(
+        "--batch-schedule",
+        default=None,
+        metavar="UPDATE:SIZE,...",
+        help="grow the target batch during training (image models): e.g. 0:64,20:256 takes "
+        "64 examples per update from update 0 and 256 from update 20 (updates strictly "
+        "increasing from 0, sizes positive); overrides --target-batch-size. Each update is "
+        "exact for its size; the micro-batch stays the largest that fits",
+    )
+    parser.add_argument(
         "--target-tokens",
         type=int,
         default=None,

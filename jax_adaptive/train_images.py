@@ -56,10 +56,11 @@ GHOST_BATCH_SIZE = 32
 def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | None:
     """The ghost batch of a model with BatchNorm: the same training on any device.
 
-    The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (and a fixed
-    micro-batch), at least 8; None (per-micro-batch statistics) for a model without
-    batch statistics, when no such divisor exists, or in a data-parallel run (a
-    micro-batch's groups, run one after another, would each sit on one device).
+    The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (every size
+    of a batch-size schedule, and a fixed micro-batch), at least 8; None
+    (per-micro-batch statistics) for a model without batch statistics, when no such
+    divisor exists, or in a data-parallel run (a micro-batch's groups, run one after
+    another, would each sit on one device).
 
     Example:
         >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96),
@@ -72,7 +73,7 @@ def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | No
     if not mutable or config.data_parallel:
         return None
     fixed = config.micro_batch_size if isinstance(config.micro_batch_size, int) else 0
-    size = math.gcd(GHOST_BATCH_SIZE, config.target_batch_size, fixed)
+    size = math.gcd(GHOST_BATCH_SIZE, *config.target_sizes(), fixed)
     return size if size >= 8 else None
 
 
@@ -233,7 +234,7 @@ def _image_trainer(
     return AdaptiveTrainer(
         model.loss_fn,
         make_optimizer(config),
-        target_batch_size=config.target_batch_size,
+        target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size,
         memory_limit=memory_limit,
         multiple_of=math.lcm(config.multiple_of or 1, model.ghost or 1),
@@ -270,7 +271,7 @@ def _simulated_limit(config: TrainConfig, model: ImageModel, params: Any, state:
     at least the train state beside the smallest micro-step's ledger (the optimizer step
     holds the state twice).
     """
-    start, T = time.perf_counter(), config.target_batch_size
+    start, T = time.perf_counter(), max(config.target_sizes())  # a schedule's largest
     probe = AdaptiveTrainer(
         model.loss_fn, make_optimizer(config), target_batch_size=T, micro_batch_size=T,
         has_aux=True, has_state=bool(model.mutable), plan_cache=False,
@@ -291,7 +292,9 @@ def _simulation_line(limit: int, compiles: int, seconds: float, T: int) -> str:
     )
 
 
-def _plan_line(trainer: AdaptiveTrainer, search: dict[str, Any], done: int) -> str:
+def _plan_line(
+    trainer: AdaptiveTrainer, search: dict[str, Any], done: int, schedule: str | None = None
+) -> str:
     per_device = trainer.micro_batch_size // trainer.shards
     largest = trainer.plan_info.largest
     where = search["from_plan_cache"]
@@ -306,6 +309,7 @@ def _plan_line(trainer: AdaptiveTrainer, search: dict[str, Any], done: int) -> s
             else ""
         )
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
+        + (f"; batch schedule {schedule}" if schedule else "")
         + (f"; resumed at update {done}" if done else "")
     )
 
@@ -315,6 +319,8 @@ def _image_line(line: dict[str, Any]) -> str:
         f"update {line['update']:4d}  loss {line['loss']:.4f}  train_accuracy "
         f"{line['train_accuracy']:.3f}  micro-batch {line['micro_batch_size']}"
     )
+    if "target_batch_size" in line:  # a batch-size schedule: the size of each update
+        text += f" x {line['accumulation_steps']} of target batch {line['target_batch_size']}"
     if "eval_loss" in line:
         text += (
             f"\nheld-out after update {line['update']}: loss {line['eval_loss']:.4f}  "
@@ -338,7 +344,8 @@ def _start(
     limit = config.memory_limit
     if _simulates(config):
         limit, compiles, seconds = _simulated_limit(config, model, params, model_state, example)
-        print(_simulation_line(limit, compiles, seconds, config.target_batch_size), file=out)
+        largest = max(config.target_sizes())
+        print(_simulation_line(limit, compiles, seconds, largest), file=out)
     trainer = _image_trainer(config, model, limit)
     start = time.perf_counter()
     state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
@@ -375,9 +382,10 @@ def _evaluation(
 
 def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
     source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
+    schedule = config.schedule()
     updates = config.updates
     if config.epochs is not None:
-        updates = max(1, int(config.epochs * len(source) / config.target_batch_size))
+        updates = _updates_in(config.epochs * len(source), schedule)
     model, trainer, state, search = _start(config, source, out)
     evaluate = _evaluation(config, trainer, model)
     position, done = 0, 0
@@ -386,19 +394,24 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         if restored is not None:
             state, position = restored
             done = int(state.updates)
-    print(_plan_line(trainer, search, done), file=out)
-    batches = ShuffledBatches(source, config.target_batch_size, seed=config.seed, start=position)
+            trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
+            _check_position(position, done, schedule)
+    print(_plan_line(trainer, search, done, config.batch_schedule), file=out)
+    T = trainer.target_batch_size
+    batches = ShuffledBatches(source, T, seed=config.seed, start=position)
 
     def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
+        batches.batch_size = T = trainer.target_batch_size_for(state)
         state, metrics = trainer.step(state, next(batches))
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
+        scheduled = {} if config.batch_schedule is None else {"target_batch_size": T}
         return state, {
             "loss": loss, "train_accuracy": float(metrics["accuracy"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
-            "accumulation_steps": trainer.accumulation_steps,
-            "examples_per_s": config.target_batch_size / seconds, "seconds": seconds,
+            "accumulation_steps": int(metrics["accumulation_steps"]), **scheduled,
+            "examples": T, "examples_per_s": T / seconds, "seconds": seconds,
         }  # fmt: skip
 
     state, lines = host_loop(
@@ -407,6 +420,33 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         workdir=workdir, position=lambda: batches.position, out=out, evaluate=evaluate,
     )  # fmt: skip
     return _summary(trainer, search, lines)
+
+
+def _updates_in(examples: float, schedule: Any) -> int:
+    """The updates whose target batches add up to ``examples`` (at least one).
+
+    Example:
+        >>> from jax_adaptive.schedule import BatchSchedule
+        >>> _updates_in(100, BatchSchedule([(0, 8), (2, 32)]))  # 8 + 8 + 32 + 32 = 80
+        4
+    """
+    if schedule.constant is not None:
+        return max(1, int(examples / schedule.constant))
+    updates, total = 0, 0
+    while total + schedule(updates) <= examples:
+        total += schedule(updates)
+        updates += 1
+    return max(1, updates)
+
+
+def _check_position(position: int, done: int, schedule: Any) -> None:
+    """A checkpoint's data position must be its updates' examples under the schedule."""
+    expected = schedule.examples_before(done)
+    if position != expected:
+        raise ValueError(
+            f"the checkpoint of update {done} is at data position {position}, but the batch "
+            f"schedule's {done} updates take {expected} examples: was --batch-schedule changed?"
+        )
 
 
 def _summary(
@@ -421,7 +461,8 @@ def _summary(
         "from_plan_cache": search["from_plan_cache"] is not None,
         "plan_cache": search["from_plan_cache"],
         "compiles_total": trainer.compiles,
-        "examples_per_s": trainer.target_batch_size * len(lines) / seconds if lines else 0.0,
+        "examples_per_s": sum(line["examples"] for line in lines) / seconds if lines else 0.0,
+        "target_batch_sizes": [line["examples"] for line in lines],
         "updates": len(lines),
         "losses": [line["loss"] for line in lines],
         "train_accuracy": lines[-1]["train_accuracy"] if lines else None,
@@ -450,6 +491,8 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     """
     check_config(config)
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
+    if config.batch_schedule is not None:
+        run["batch_schedule"] = config.batch_schedule
     return run_path(config, _train_images, _summary_line, out=out, run=run)
 
 
@@ -457,7 +500,8 @@ def _summary_line(summary: dict[str, Any]) -> str:
     losses, held_out = summary["losses"], summary["held_out"]
     return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
-        f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s"
+        + _sizes_text(summary["target_batch_sizes"])
+        + f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s"
         + (" (from the plan cache)" if summary["from_plan_cache"] else "")
         + f", {summary['examples_per_s']:.0f} examples/s (mean over {summary['updates']} "
         "updates), final "
@@ -466,3 +510,14 @@ def _summary_line(summary: dict[str, Any]) -> str:
         + (f", held-out loss {held_out['loss']:.4f} accuracy {held_out['accuracy']:.3f} "
            f"({held_out['examples']} examples)" if held_out else "")
     )  # fmt: skip
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """The target batch sizes of a run that changed them, as ``target batch 8 -> 32, ``.
+
+    Example:
+        >>> _sizes_text([8, 8, 32]), _sizes_text([8, 8])
+        ('target batch 8 -> 32, ', '')
+    """
+    changes = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
+    return f"target batch {' -> '.join(map(str, changes))}, " if len(changes) > 1 else ""

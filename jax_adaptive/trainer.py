@@ -30,6 +30,7 @@ from jax_adaptive.memory import Ledger, MemoryModel
 from jax_adaptive.plan import Objective, Plan, SizeTrial
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
+from jax_adaptive.schedule import BatchSchedule, ScheduleSpec
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
 from jax_adaptive.update import OptimizerStepOutOfMemory, StateLostError, Updater
 
@@ -39,7 +40,7 @@ log = logging.getLogger("jax_adaptive")
 
 
 class AdaptiveTrainer:
-    """Trains with a fixed target batch size through the largest micro-batch that fits.
+    """Trains at a target batch size (fixed or scheduled) through the largest micro-batch that fits.
 
     Args:
         loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example
@@ -47,9 +48,16 @@ class AdaptiveTrainer:
             ``has_state``: ``(params, model_state, batch, rng) -> (that, new_model_state)``).
         optimizer: any ``optax.GradientTransformation``; it is applied once per target
             batch to the exact mean gradient of its examples.
-        target_batch_size: examples per optimizer update, any positive int.
+        target_batch_size: examples per optimizer update: any positive int, or a
+            batch-size schedule over the updates applied so far (``state.updates``): a
+            callable ``updates -> int``, a list of ``(update, size)`` steps such as
+            ``[(0, 64), (100, 256)]`` or a `jax_adaptive.BatchSchedule`. Each update is
+            exact for its own size; the micro-batch stays the largest that fits, only
+            capped by the size, and one compile per micro-batch size serves every size.
+            A restored state goes on with the schedule where it left it.
         micro_batch_size: ``"auto"`` (search the largest that fits) or a fixed int.
-            A fixed size is used as given: an out-of-memory with it propagates.
+            A fixed size is used as given (capped by a scheduled size below it): an
+            out-of-memory with it propagates.
         memory_limit: bytes: a device of that size, which must hold everything live
             while a micro-step runs (`ledger`: the whole train state, the micro-batches
             in flight, the program). On a CPU it simulates that device: a size whose
@@ -125,6 +133,12 @@ class AdaptiveTrainer:
         >>> state, metrics = trainer.step(state, batch)
         >>> trainer.accumulation_steps, float(metrics["loss"]), int(state.updates)
         (3, 1.0, 1)
+        >>> grown = ja.AdaptiveTrainer(loss_fn, optax.sgd(0.1), micro_batch_size=4,
+        ...                            target_batch_size=[(0, 10), (1, 20)])
+        >>> state = grown.init({"w": jnp.zeros(3)}, batch)
+        >>> state, _ = grown.step(state, batch)  # update 0: 10 examples
+        >>> grown.target_batch_size, grown.accumulation_steps  # update 1: 20
+        (20, 5)
     """
 
     def __init__(
@@ -132,7 +146,7 @@ class AdaptiveTrainer:
         loss_fn: PerExampleLoss,
         optimizer: optax.GradientTransformation,
         *,
-        target_batch_size: int,
+        target_batch_size: ScheduleSpec,
         micro_batch_size: int | Literal["auto"] = "auto",
         memory_limit: int | None = None,
         has_aux: bool = False,
@@ -158,11 +172,17 @@ class AdaptiveTrainer:
                 "optimizer must be an optax.GradientTransformation (with init and update), "
                 f"got {type(optimizer).__name__}."
             )
-        T = self.target_batch_size = checks.check_target_batch_size(target_batch_size)
+        self.schedule = BatchSchedule(target_batch_size)
+        self._next_update = 0  # the update the next step makes (state.updates)
         self.optimizer = optimizer
         self.placement = Placement(checks.check_device(device), mesh, data_axis, param_sharding)
+        T = self._checked_target(0)
         multiple_of = checks.positive_int("multiple_of", multiple_of)
-        fixed = checks.fixed_size(micro_batch_size, multiple_of, T, self.shards)
+        constant = self.schedule.constant is not None
+        fixed = checks.fixed_size(
+            micro_batch_size, multiple_of if constant else 1,
+            T if constant else checks.MAX_TARGET_BATCH_SIZE, self.shards,
+        )  # fmt: skip
         self._executables = Executables(
             checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, T,
             has_aux=has_aux, has_state=has_state,
@@ -185,9 +205,32 @@ class AdaptiveTrainer:
     # ----------------------------------------------------------------- what it holds
 
     @property
+    def target_batch_size(self) -> int:
+        """Examples the next update takes: the schedule's size at the last state seen.
+
+        The state last given to `init`, `plan` or `step` (after a step: the state it
+        returned); `target_batch_size_for` gives any state's.
+        """
+        return self.schedule(self._next_update)
+
+    def target_batch_size_for(self, state: TrainState) -> int:
+        """The examples the update of ``state`` takes: the schedule at ``state.updates``.
+
+        Example:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(0.1),
+            ...                              target_batch_size=lambda u: 4 * (u + 1))
+            >>> state = trainer.init(jnp.zeros(()), np.ones(4, np.float32))
+            >>> trainer.target_batch_size_for(state)
+            4
+        """
+        return self._checked_target(self._updates_of(state))
+
+    @property
     def micro_batch_size(self) -> int:
-        """The micro-batch size in use."""
+        """The micro-batch size in use (for the next update's target batch size)."""
         self._require_init()
+        self._planner.set_target(self.target_batch_size)
         return self._planner.size
 
     @property
@@ -197,7 +240,12 @@ class AdaptiveTrainer:
 
     @property
     def plan_info(self) -> Plan:
-        """The `jax_adaptive.Plan` in use: size, micro-steps, ledger, capacity."""
+        """The `jax_adaptive.Plan` in use: size, micro-steps, ledger, capacity.
+
+        With a batch-size schedule, the plan of the next update's target batch size.
+        """
+        if self._planner.size is not None:
+            self._planner.set_target(self.target_batch_size)
         return self._planner.plan
 
     @property
@@ -336,8 +384,10 @@ class AdaptiveTrainer:
             1
         """
         leading_size(example_batch, "example_batch")
+        self._next_update = self._updates_of(state)
+        T = self._checked_target(self._next_update)
         self._executables.bind(state, example_batch)
-        self._planner.plan_for(state)
+        self._planner.plan_for(state, T)
 
     def compile(self, size: int) -> Any:
         """Returns the compiled micro-step for micro-batches of ``size``, compiling once.
@@ -410,6 +460,8 @@ class AdaptiveTrainer:
     ) -> tuple[TrainState, dict[str, Any]]:
         """Runs one optimizer update on a batch of exactly ``target_batch_size`` examples.
 
+        With a batch-size schedule, the size is the schedule's at ``state.updates``
+        (`target_batch_size_for`); the update is exact for it.
         The state's accumulator buffers are donated: use the returned state.
 
         Args:
@@ -436,9 +488,15 @@ class AdaptiveTrainer:
             -0.5
         """
         self._require_init()
+        updates = self._updates_of(state)
+        T = self._checked_target(updates)
         batch = checks.on_device(batch, self.device if self.mesh is None else None)
-        checks.check_batch(batch, weights, self._executables.example, self.target_batch_size)
-        return self._updater.run(state, batch, weights)
+        scheduled = None if self.schedule.constant is not None else updates
+        checks.check_batch(batch, weights, self._executables.example, T, scheduled)
+        self._planner.set_target(T)
+        out = self._updater.run(state, batch, weights)
+        self._next_update = updates + 1
+        return out
 
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
         """The `jax_adaptive.Evaluator` this trainer keeps for ``metric_fn`` (made on first use).
@@ -538,7 +596,8 @@ class AdaptiveTrainer:
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
-        Leftover examples carry over between updates; a change of micro-batch size
+        With a batch-size schedule each update draws the schedule's size from the
+        stream. Leftover examples carry over between updates; a change of micro-batch size
         never restarts, reshuffles or drops the stream. Nothing is lost:
 
         * examples read past the last update stay with the iterator (`Rebatcher`):
@@ -591,9 +650,15 @@ class AdaptiveTrainer:
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluation_hook(eval_every, eval_data, metric_fn, num_updates)
-        stream = Rebatcher(batches, self.target_batch_size)
+        stream = Rebatcher(batches, self.target_batch_size_for(state))
+
+        def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+            state, metrics = self.step(state, batch)
+            stream.size = self.target_batch_size  # the next update's (a schedule's)
+            return state, metrics
+
         state, history = fit_loop(
-            self.step, state, stream, num_updates, progress=progress, on_update=on_update,
+            step, state, stream, num_updates, progress=progress, on_update=on_update,
             after_update=after,
         )  # fmt: skip
         if stream.leftover and (num_updates is None or len(history) < num_updates):
@@ -621,6 +686,26 @@ class AdaptiveTrainer:
             return {f"eval_{name}": value for name, value in metrics.items()}
 
         return after
+
+    def _updates_of(self, state: TrainState) -> int:
+        """``state.updates`` on the host; 0 (nothing read) for a constant target."""
+        if self.schedule.constant is not None:
+            return 0
+        updates = state.updates
+        if isinstance(updates, jax.Array) and not updates.is_fully_addressable:
+            updates = updates.addressable_data(0)  # replicated: every process has it
+        return int(jax.device_get(updates))
+
+    def _checked_target(self, updates: int) -> int:
+        """The schedule's size at ``updates``, checked against the data shards."""
+        T = self.schedule(updates)
+        if T < self.shards:
+            where = "" if self.schedule.constant is not None else f" at update {updates}"
+            raise ValueError(
+                f"target_batch_size={T}{where} is smaller than the {self.shards} data shards "
+                "of the mesh: every device needs an example."
+            )
+        return T
 
     def _require_init(self) -> None:
         if self._planner.size is None:

@@ -113,14 +113,23 @@ class Updater:
             raise ValueError(f"{in_flight=} must be at least 1.")
         self.planner, self.executables = planner, planner.executables
         self.placement, self.in_flight = placement, in_flight
-        self.T = planner.target_batch_size
         self.host_bytes = 0
         self._ran: set[tuple[int, int]] = set()  # (size, chunk) that completed an update
         self._optimizer_ran: set[bool] = set()
         self._generation = 0  # the executables' binding the sets above are about
 
+    @property
+    def T(self) -> int:
+        """The target batch size of the update: the planner's (`Planner.set_target`)."""
+        return self.planner.target_batch_size
+
     def run(self, state: TrainState, batch: Batch, weights: Any = None) -> tuple[TrainState, dict]:
-        """One update of ``state`` on ``batch`` (``weights``: per example, 1 by default)."""
+        """One update of ``state`` on ``batch`` (``weights``: per example, 1 by default).
+
+        The batch holds the planner's target batch size of examples; the programs take
+        that size at run time, so a schedule's new size compiles nothing for the sizes
+        already compiled.
+        """
         if self._generation != self.executables.generation:  # another shape: none ran yet
             self._generation = self.executables.generation
             self._ran.clear()
@@ -203,6 +212,7 @@ class Updater:
             args = MicroArgs(
                 state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
                 p.totals, examples, weights, state.rng, np.int32(piece.offset), k,
+                np.int32(self.T),
             )  # fmt: skip
             p.acc, p.mini_step, p.model_state, p.totals = self._execute(programs[steps], args, size)
             p.offset, p.steps = min(piece.offset + steps * size, self.T), p.steps + steps
@@ -282,7 +292,7 @@ class Updater:
     def _apply(self, state: TrainState, p: _Progress) -> tuple[TrainState, dict[str, Any]]:
         executable, donating = self.planner.optimizer_step()
         opt = state.opt_state._replace(acc_grads=p.acc, mini_step=p.mini_step)
-        inputs = (state.params, opt, p.totals, np.int32(p.steps + 1))
+        inputs = (state.params, opt, p.totals, np.int32(p.steps + 1), np.int32(self.T))
         # A donating call that fails deletes its inputs: keep a host copy for its first
         # run. A call that does not donate loses nothing: no copy.
         snapshot = None

@@ -364,3 +364,39 @@ def test_new_flags_are_checked_before_training(flags, message, capsys):
     assert main([*flags, "--updates", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch-schedule", "0:32,0:128"], "must start after update 0"),
+        (["--batch-schedule", "1:32"], "must start at update 0"),
+        (["--batch-schedule", "0:32,3:0"], "its size must be a positive int"),
+        (["--batch-schedule", "0:32,4:x"], "'4:x' is not UPDATE:SIZE"),
+        (["--batch-schedule", "0:8", "--model", "gpt"], "--batch-schedule is for image models"),
+        (["--batch-schedule", "0:8,2:16", "--micro-batch-size", "32"], "schedule 16"),
+    ],
+)
+def test_a_bad_batch_schedule_is_one_line_naming_the_flag_before_training(flags, message, capsys):
+    assert main([*flags, "--updates", "1", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1, (out, err)
+    assert "--batch-schedule" in err, err
+
+
+def test_a_batch_schedule_grows_the_target_and_resumes_mid_schedule(tmp_path, capsys):
+    flags = ["--batch-schedule", "0:16,2:64", "--eval-every", "0", "--no-progress",
+             "--no-plan-cache", "--workdir", str(tmp_path), "--checkpoint-every", "3"]  # fmt: skip
+    assert main([*flags, "--updates", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("plan: ") and "batch schedule 0:16,2:64" in out[1], out[1]
+    updates = [line for line in out if line.startswith("update")]
+    assert [line.split("of target batch ")[1] for line in updates] == ["16", "16", "64"]
+    assert "target batch 16 -> 64" in out[-1], out[-1]
+    assert main([*flags, "--updates", "4", "--resume"]) == 0  # from the checkpoint of update 3
+    assert "resumed at update 3" in capsys.readouterr().out
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["update"], m["target_batch_size"]) for m in lines] == [
+        (1, 16), (2, 16), (3, 64), (4, 64)
+    ]  # fmt: skip
+    assert all(m["micro_batch_size"] * m["accumulation_steps"] >= m["examples"] for m in lines)

@@ -1,0 +1,168 @@
+"""Batch-size schedules: the target batch size as a function of the optimizer updates.
+
+Large-model recipes grow the batch during training. A `BatchSchedule` gives the target
+batch size of each update from the number of updates applied so far (``state.updates``),
+so a restored state goes on with the schedule where it left it. It is made from an int
+(a constant), a callable ``updates -> int`` or a list of steps ``[(0, 64), (100, 256)]``
+(from update 0 use 64, from update 100 use 256); every size is a positive int below
+``2**31``, checked with a one-line error naming ``target_batch_size``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size
+
+__all__ = ["BatchSchedule", "ScheduleSpec", "batch_schedule", "parse_batch_schedule"]
+
+ScheduleSpec: TypeAlias = "int | Callable[[int], int] | Sequence[tuple[int, int]] | BatchSchedule"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+class BatchSchedule:
+    """The target batch size of each optimizer update.
+
+    Args:
+        spec: an int (the same size for every update), a callable ``updates -> int``
+            (``updates``: optimizer updates applied so far) or a non-empty list of
+            ``(update, size)`` steps, the first at update 0, the updates strictly
+            increasing: from each step's update on, its size.
+
+    Attributes:
+        constant: the size when it never changes (an int spec), else None.
+        steps: the ``(update, size)`` steps of a list spec, else None.
+
+    Raises:
+        TypeError, ValueError: one line naming ``target_batch_size``, for a spec that is
+            none of the above or a step that is not ``(int >= 0, positive int)``.
+
+    Example:
+        >>> schedule = BatchSchedule([(0, 64), (100, 256), (500, 1024)])
+        >>> schedule(0), schedule(99), schedule(100), schedule(10**6)
+        (64, 64, 256, 1024)
+        >>> BatchSchedule(lambda updates: 32 * (1 + updates // 10))(25)
+        96
+        >>> BatchSchedule([(0, 64), (0, 128)])
+        Traceback (most recent call last):
+        ValueError: target_batch_size schedule: step 1 (0, 128) must start after update 0 ...
+    """
+
+    def __init__(self, spec: ScheduleSpec):
+        self.constant: int | None = None
+        self.steps: tuple[tuple[int, int], ...] | None = None
+        self._fn: Callable[[int], Any] | None = None
+        if isinstance(spec, BatchSchedule):
+            self.constant, self.steps, self._fn = spec.constant, spec.steps, spec._fn
+        elif _is_int(spec) or isinstance(spec, bool):
+            self.constant = check_target_batch_size(spec)
+        elif callable(spec):
+            self._fn = spec
+        elif isinstance(spec, list | tuple):
+            self.steps = _checked_steps(spec)
+            if len(self.steps) == 1:
+                self.constant = self.steps[0][1]
+        else:
+            raise TypeError(
+                "target_batch_size must be a positive int, a callable updates -> int or a "
+                f"list of (update, size) steps, got {spec!r} ({type(spec).__name__})."
+            )
+        self._starts = [update for update, _ in self.steps] if self.steps else []
+
+    def __call__(self, updates: int) -> int:
+        """The target batch size of the update made after ``updates`` updates."""
+        if self.constant is not None:
+            return self.constant
+        updates = int(updates)
+        if self.steps is not None:
+            return self.steps[bisect.bisect_right(self._starts, updates) - 1][1]
+        size = self._fn(updates)  # type: ignore[misc]
+        if not _is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+            raise ValueError(
+                f"target_batch_size({updates}) returned {size!r}; a schedule must give a "
+                "positive int below 2**31."
+            )
+        return int(size)
+
+    def examples_before(self, updates: int) -> int:
+        """Examples the updates ``0 .. updates - 1`` take in all (a data stream's position).
+
+        Example:
+            >>> BatchSchedule([(0, 8), (2, 16)]).examples_before(3)
+            32
+        """
+        if self.constant is not None:
+            return self.constant * updates
+        return sum(self(u) for u in range(updates))
+
+    def __repr__(self) -> str:
+        spec = self.constant if self.constant is not None else self.steps or self._fn
+        return f"BatchSchedule({spec!r})"
+
+
+def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    """The ``(update, size)`` steps of a list spec, each checked (one-line errors)."""
+    if not spec:
+        raise ValueError("target_batch_size schedule must hold at least one (update, size) step.")
+    steps: list[tuple[int, int]] = []
+    for i, step in enumerate(spec):
+        where = f"target_batch_size schedule: step {i} {step!r}"
+        if not (isinstance(step, list | tuple) and len(step) == 2):
+            raise TypeError(f"{where} must be a pair (update, size).")
+        update, size = step
+        if not _is_int(update) or update < 0:
+            raise TypeError(f"{where}: its update must be an int >= 0.")
+        if not _is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+            raise ValueError(f"{where}: its size must be a positive int below 2**31.")
+        if i == 0 and update != 0:
+            raise ValueError(f"{where} must start at update 0 (the size of the first update).")
+        if steps and update <= steps[-1][0]:
+            raise ValueError(
+                f"{where} must start after update {steps[-1][0]} (steps in increasing order)."
+            )
+        steps.append((int(update), int(size)))
+    return tuple(steps)
+
+
+def batch_schedule(*steps: tuple[int, int]) -> BatchSchedule:
+    """A schedule of ``(update, size)`` steps: ``batch_schedule((0, 64), (100, 256))``.
+
+    Example:
+        >>> schedule = batch_schedule((0, 64), (100, 256))
+        >>> schedule(99), schedule(100)
+        (64, 256)
+    """
+    return BatchSchedule(list(steps))
+
+
+def parse_batch_schedule(text: str, flag: str = "--batch-schedule") -> BatchSchedule:
+    """Parses ``"0:64,20:256"`` (from update 0 use 64, from 20 use 256); one-line errors.
+
+    Example:
+        >>> parse_batch_schedule("0:64,20:256").steps
+        ((0, 64), (20, 256))
+        >>> parse_batch_schedule("0:64,x")
+        Traceback (most recent call last):
+        ValueError: --batch-schedule '0:64,x': 'x' is not UPDATE:SIZE (two ints).
+    """
+    steps = []
+    for part in str(text).split(","):
+        update, colon, size = part.strip().partition(":")
+        try:
+            if not colon:
+                raise ValueError
+            steps.append((int(update), int(size)))
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {part!r} is not UPDATE:SIZE (two ints).") from None
+    try:
+        return BatchSchedule(steps)
+    except (TypeError, ValueError) as exc:
+        message = str(exc).replace("target_batch_size schedule: ", "")
+        raise ValueError(f"{flag} {text!r}: {message}") from None
