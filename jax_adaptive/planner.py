@@ -281,9 +281,13 @@ class Planner:
 
     @property
     def chunk(self) -> int:
-        """Micro-steps per dispatch for the size in use, decided (and compiled) once."""
+        """Micro-steps per dispatch for the size in use, decided (and compiled) once.
+
+        Every process runs the same programs: under ``jax.distributed`` the chunk is
+        the shortest any process chose (their capacities may differ).
+        """
         if self._chunk is None:
-            self._chunk = self._chunk_for(self.size)
+            self._chunk = process_min(self._chunk_for(self.size))
         return self._chunk
 
     def _chunk_for(self, size: int) -> int:

@@ -87,8 +87,14 @@ def test_two_processes_agree_and_shrink_together(tmp_path):
     port = _free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     procs = [_run("process", i, port, out, timeout=300) for i, out in enumerate(outs)]
-    for proc in procs:
-        _wait(proc)
+    try:
+        for proc in procs:
+            _wait(proc)
+    finally:  # one that timed out must not leave its peer running into later tests
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     first, second = (json.loads(out.read_text()) for out in outs)
     assert first["devices"] == second["devices"] == 4
     # Different capacities: each found its own size, and both use the smaller.
