@@ -224,6 +224,7 @@ class Executables:
         self._lowered: dict[tuple[int, int], Any] = {}
         self._reports: dict[tuple[int, int], dict[str, int]] = {}
         self._optimizer: dict[bool, Executable] = {}
+        self._ledgers: dict[tuple[int, int], Ledger] = {}  # each update checks its sizes'
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------ binding a shape
@@ -382,17 +383,17 @@ class Executables:
         outputs that are not aliased to a donated input (the new model state) and its
         temporaries (a runtime may allocate them at dispatch).
         """
-        report = self.report(size, chunk)
-        args = self.micro_structs(size, chunk)
-        # The runtime target (one int32 scalar, 4 bytes) is not counted, so that a
-        # size's ledger is the same as before targets were runtime values.
-        inputs = tree_bytes((args.batch, args.weights, args.offset, args.k))
-        new_outputs = report["output"] - report["alias"]
-        return Ledger(
-            state=self.state_bytes(),
-            in_flight=self.in_flight * (inputs + new_outputs),
-            program=self.in_flight * report["temp"] + report["code"],
-        )
+        if (size, chunk) not in self._ledgers:
+            report = self.report(size, chunk)
+            args = self.micro_structs(size, chunk)
+            inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
+            new_outputs = report["output"] - report["alias"]
+            self._ledgers[size, chunk] = Ledger(
+                state=self.state_bytes(),
+                in_flight=self.in_flight * (inputs + new_outputs),
+                program=self.in_flight * report["temp"] + report["code"],
+            )
+        return self._ledgers[size, chunk]
 
     def example_bytes(self) -> int:
         """Bytes one example (and its weight) adds to a program's inputs."""

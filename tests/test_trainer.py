@@ -138,12 +138,12 @@ def independent_peak(trainer, state, example_bytes, size):
 
     The whole state as it is on the device (Adam's moments too, which the micro-step
     never reads, so XLA prunes them from its arguments), the running loss total, then
-    each micro-step in flight (its rows, weights, offset and k, its new outputs and
-    its temporaries, from XLA's memory analysis), and the program's code.
+    each micro-step in flight (its rows, weights, offset, k and target, its new outputs
+    and its temporaries, from XLA's memory analysis), and the program's code.
     """
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4
     r = ja.memory_report(trainer.compile(size))
-    inputs = size * example_bytes + 4 * size + 8
+    inputs = size * example_bytes + 4 * size + 12
     in_flight = IN_FLIGHT * (inputs + r["output"] - r["alias"] + r["temp"])
     return state_bytes + in_flight + r["code"]
 
@@ -168,7 +168,9 @@ def test_an_adam_ledger_counts_the_moments_the_micro_step_never_reads(estimates)
     batch = regression_batches(1, T)[0]
     state = trainer.init(params, batch)
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    inputs = 4 * sum(leaf[0].nbytes for leaf in jax.tree.leaves(batch)) + 4 * 4 + 8
+    inputs = (
+        4 * sum(leaf[0].nbytes for leaf in jax.tree.leaves(batch)) + 4 * 4 + 12
+    )  # weights; offset, k, target
     ledger = trainer.ledger(4)
     program = ja.memory_report(trainer.compile(4))
     # Adam's two moments are resident, though pruned from the program's arguments.
