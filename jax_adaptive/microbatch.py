@@ -32,8 +32,8 @@ from jax_adaptive.step import (
     Params,
     PerExampleLoss,
     _call_loss,
-    _check_per_example,
     _takes_weights,
+    weighted_sums,
 )
 
 __all__ = ["MicroBatchGrad", "micro_batch_grad", "micro_batch_sum"]
@@ -220,23 +220,13 @@ def micro_batch_grad(
         def body(carry: Any, micro_batch: Batch, micro_weights: jax.Array, offset: jax.Array):
             grads, sums, state = carry
             key = None if rng is None else jax.random.fold_in(rng, offset)
-            size = micro_weights.shape[0]
 
             def objective(p: Params) -> tuple[jax.Array, Any]:
-                losses, aux, new_state = _call_loss(
-                    loss_fn, has_aux, has_state, p, state, micro_batch, key,
-                    micro_weights if takes_weights else None,
+                loss_sum, new_sums, new_state = weighted_sums(
+                    loss_fn, has_aux, has_state, takes_weights, p, state, micro_batch, key,
+                    micro_weights,
                 )  # fmt: skip
-                _check_per_example("loss_fn's losses", losses, size)
-                for name, value in aux.items():
-                    _check_per_example(f"aux[{name!r}]", value, size)
-                # where, not a product alone: a padding row's inf or NaN must not leak.
-                weighted = {
-                    name: jnp.where(micro_weights != 0, micro_weights * v, 0)
-                    for name, v in {"loss": losses, **aux}.items()
-                }
-                new_sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
-                return jnp.sum(weighted["loss"]) / total, (new_sums, new_state)
+                return loss_sum / total, (new_sums, new_state)
 
             micro_grads, (micro_sums, new_state) = jax.grad(objective, has_aux=True)(params)
             grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, micro_grads)

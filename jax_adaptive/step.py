@@ -44,6 +44,7 @@ __all__ = [
     "make_optimizer_step",
     "multi_steps",
     "per_device",
+    "weighted_sums",
 ]
 
 Params: TypeAlias = Any
@@ -143,6 +144,52 @@ def _check_per_example(name: str, value: Any, m: int) -> None:
         raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
 
 
+def weighted_sums(
+    loss_fn: PerExampleLoss,
+    has_aux: bool,
+    has_state: bool,
+    takes_weights: bool,
+    params: Params,
+    model_state: Any,
+    batch: Batch,
+    key: Any,
+    weights: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """Calls the per-example loss on one micro-batch and sums it with ``weights``.
+
+    The one place that defines what a micro-batch contributes, for the trainer's
+    micro-step and for `jax_adaptive.micro_batch_grad`: a row of weight 0 (padding)
+    contributes exactly 0, even where its loss is inf or NaN.
+
+    Returns:
+        ``sum(weights * losses)`` (what the gradient is taken of), the weighted float32
+        sums of the loss and of each aux metric by name, and the new model state.
+
+    Example:
+        >>> loss = lambda p, b, r: (b - p) ** 2
+        >>> total, sums, _ = weighted_sums(
+        ...     loss, False, False, False, 1.0, (), jnp.array([0.0, jnp.nan]), None,
+        ...     jnp.array([1.0, 0.0]),
+        ... )  # fmt: skip
+        >>> float(total), float(sums["loss"])  # the NaN row has weight 0
+        (1.0, 1.0)
+    """
+    m = weights.shape[0]
+    losses, aux, new_state = _call_loss(
+        loss_fn, has_aux, has_state, params, model_state, batch, key,
+        weights if takes_weights else None,
+    )  # fmt: skip
+    _check_per_example("loss_fn's losses", losses, m)
+    for name, value in aux.items():
+        _check_per_example(f"aux[{name!r}]", value, m)
+    # where, not a product alone: a padding row's inf or NaN must not leak.
+    weighted = {
+        name: jnp.where(weights != 0, weights * v, 0) for name, v in {"loss": losses, **aux}.items()
+    }
+    sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
+    return jnp.sum(weighted["loss"]), sums, new_state
+
+
 def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
     """``total / T``: ``T`` the runtime ``target`` or else the built-in ``target_batch_size``."""
     if target is None:
@@ -199,21 +246,10 @@ def make_micro_step(
             key = jax.random.fold_in(jax.random.fold_in(rng, opt_state.gradient_step), offset)
 
             def objective(p):
-                losses, aux, new_state = _call_loss(
-                    loss_fn, has_aux, has_state, p, model_state, batch, key,
-                    weights if takes_weights else None,
-                )  # fmt: skip
-                _check_per_example("loss_fn's losses", losses, m)
-                for name, value in aux.items():
-                    _check_per_example(f"aux[{name!r}]", value, m)
-                # where, not a product alone: a padding row's inf or NaN must not leak.
-                weighted = {
-                    name: jnp.where(weights != 0, weights * v, 0)
-                    for name, v in {"loss": losses, **aux}.items()
-                }
-                sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
-                objective = _scale(jnp.sum(weighted["loss"]), target_batch_size, target)
-                return objective, (sums, new_state)
+                loss_sum, sums, new_state = weighted_sums(
+                    loss_fn, has_aux, has_state, takes_weights, p, model_state, batch, key, weights
+                )
+                return _scale(loss_sum, target_batch_size, target), (sums, new_state)
 
             grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
             _, new_opt = multi_steps(optimizer, k).update(
