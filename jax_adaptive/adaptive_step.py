@@ -304,6 +304,11 @@ class AdaptiveStep:
         Returns:
             The `jax_adaptive.Plan`.
         """
+        self._plan(args)
+        return self.plan_info
+
+    def _plan(self, args: tuple[Any, ...]) -> None:
+        """Plans for ``args`` when their shapes or the cap changed; else nothing."""
         if self._bind(args):
             self._measure_others(args)
             size = self._cached_plan()
@@ -313,7 +318,6 @@ class AdaptiveStep:
         elif self._replan:
             self._replan = False
             self._use(self._largest(hi=self.batch_size, reason="memory limit raised"))
-        return self.plan_info
 
     def _bind(self, args: tuple[Any, ...]) -> bool:
         signature = _signature(args)
@@ -434,7 +438,7 @@ class AdaptiveStep:
             StateLostError: a trusted size failed in a run that deleted donated
                 arguments (see ``host_backup``).
         """
-        self.plan(*args)
+        self._plan(args)
         self._real_ooms = 0
         while True:
             size = self.micro_batch_size

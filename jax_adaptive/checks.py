@@ -28,6 +28,7 @@ __all__ = [
     "check_limit",
     "check_target_batch_size",
     "fixed_size",
+    "is_int",
     "non_negative_int",
     "on_device",
     "positive_int",
@@ -38,7 +39,13 @@ MAX_TARGET_BATCH_SIZE = 2**31 - 1
 """The largest target batch: the micro-step counts examples and offsets in int32."""
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int (a NumPy one too), not a bool.
+
+    Example:
+        >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+        (True, True, False, False)
+    """
     return not isinstance(value, bool) and isinstance(value, int | np.integer)
 
 
@@ -52,7 +59,7 @@ def positive_int(name: str, value: Any) -> int:
         Traceback (most recent call last):
         ValueError: in_flight=0 must be positive.
     """
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
     if value <= 0:
         raise ValueError(f"{name}={value} must be positive.")
@@ -67,7 +74,7 @@ def non_negative_int(name: str, value: Any) -> int:
         Traceback (most recent call last):
         ValueError: oom_retries=-1 must be at least 0.
     """
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__}).")
     if value < 0:
         raise ValueError(f"{name}={value} must be at least 0.")
@@ -135,7 +142,7 @@ def check_grow(grow: Any) -> str | int:
     """
     if isinstance(grow, str) and grow in ("never", "on_limit_change"):
         return grow
-    if not _is_int(grow):
+    if not is_int(grow):
         raise TypeError(
             "grow must be 'never', 'on_limit_change' or a positive int, got "
             f"{grow!r} ({type(grow).__name__})."
@@ -317,12 +324,12 @@ def check_buckets(buckets: Any) -> tuple[Any, ...]:
     """
 
     def is_bucket(bucket: Any) -> bool:
-        if _is_int(bucket):
+        if is_int(bucket):
             return True
         return (
             isinstance(bucket, Sequence)
             and not isinstance(bucket, str | bytes)
-            and (len(bucket) > 0 and all(_is_int(d) for d in bucket))
+            and (len(bucket) > 0 and all(is_int(d) for d in bucket))
         )
 
     ok = isinstance(buckets, Iterable) and not isinstance(buckets, str | bytes)

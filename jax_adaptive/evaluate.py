@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_adaptive.checks import positive_int
 from jax_adaptive.data import MicroBatch, leading_size, micro_batches
 from jax_adaptive.executables import Executable, FaultHook, example_structs
 from jax_adaptive.memory import (
@@ -160,6 +161,7 @@ class _Binding:
         self.resident_bytes = resident_bytes
         self.programs: dict[int, Executable] = {}
         self.reports: dict[int, dict[str, int]] = {}
+        self.ledgers: dict[int, Ledger] = {}
         self.plans: dict[int, int] = {}  # the largest size that fits, per upper bound
         self.memory_model = MemoryModel()
         self.fingerprint: str | None = None
@@ -225,12 +227,12 @@ class Evaluator:
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         for name, value in (("memory_limit", memory_limit), ("max_batch_size", max_batch_size)):
             if value is not None:
-                _check_positive(name, value)
+                positive_int(name, value)
         if not 0.0 <= headroom < 1.0:
             raise ValueError(f"{headroom=} must be in [0, 1).")
         self.metric_fn = metric_fn
         self.memory_limit, self.headroom = memory_limit, headroom
-        self.multiple_of = _check_positive("multiple_of", multiple_of)
+        self.multiple_of = positive_int("multiple_of", multiple_of)
         self.max_batch_size, self.oom_retries = max_batch_size, oom_retries
         self.plan_cache = PlanCache.from_arg(plan_cache)
         self.device = device or jax.local_devices()[0]
@@ -439,17 +441,19 @@ class Evaluator:
         """
         if self._bound is None:
             raise RuntimeError("run evaluate or predict on a dataset first.")
-        if size not in self._bound.reports:
-            self._program(size)
-        report = self._bound.reports[size]
-        _, batch, mask = self._structs(size)
-        ledger = Ledger(
-            state=self._bound.resident_bytes,
-            in_flight=tree_bytes((batch, mask)) + report["output"] - report["alias"],
-            program=report["temp"] + report["code"],
-        )
-        self._bound.memory_model.add(size, ledger.total)
-        return ledger
+        bound = self._bound
+        if size not in bound.ledgers:  # each batch checks its size: measure it once
+            if size not in bound.reports:
+                self._program(size)
+            report = bound.reports[size]
+            _, batch, mask = self._structs(size)
+            bound.ledgers[size] = Ledger(
+                state=bound.resident_bytes,
+                in_flight=tree_bytes((batch, mask)) + report["output"] - report["alias"],
+                program=report["temp"] + report["code"],
+            )
+            bound.memory_model.add(size, bound.ledgers[size].total)
+        return bound.ledgers[size]
 
     # ------------------------------------------------------------ the plan
 
@@ -570,14 +574,6 @@ class Evaluator:
         self.largest = largest
         self._use(self._hi, largest)
         return self._trimmed(largest, examples)
-
-
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be positive.")
-    return int(value)
 
 
 def _host_value(value: np.ndarray) -> Any:

@@ -14,17 +14,11 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import numpy as np
-
-from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size
+from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size, is_int
 
 __all__ = ["BatchSchedule", "ScheduleSpec", "batch_schedule", "parse_batch_schedule"]
 
 ScheduleSpec: TypeAlias = "int | Callable[[int], int] | Sequence[tuple[int, int]] | BatchSchedule"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 class BatchSchedule:
@@ -61,7 +55,7 @@ class BatchSchedule:
         self._fn: Callable[[int], Any] | None = None
         if isinstance(spec, BatchSchedule):
             self.constant, self.steps, self._fn = spec.constant, spec.steps, spec._fn
-        elif _is_int(spec) or isinstance(spec, bool):
+        elif is_int(spec) or isinstance(spec, bool):
             self.constant = check_target_batch_size(spec)
         elif callable(spec):
             self._fn = spec
@@ -84,7 +78,7 @@ class BatchSchedule:
         if self.steps is not None:
             return self.steps[bisect.bisect_right(self._starts, updates) - 1][1]
         size = self._fn(updates)  # type: ignore[misc]
-        if not _is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+        if not is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
             raise ValueError(
                 f"target_batch_size({updates}) returned {size!r}; a schedule must give a "
                 "positive int below 2**31."
@@ -117,9 +111,9 @@ def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
         if not (isinstance(step, list | tuple) and len(step) == 2):
             raise TypeError(f"{where} must be a pair (update, size).")
         update, size = step
-        if not _is_int(update) or update < 0:
+        if not is_int(update) or update < 0:
             raise TypeError(f"{where}: its update must be an int >= 0.")
-        if not _is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+        if not is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
             raise ValueError(f"{where}: its size must be a positive int below 2**31.")
         if i == 0 and update != 0:
             raise ValueError(f"{where} must start at update 0 (the size of the first update).")

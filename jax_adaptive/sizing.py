@@ -29,8 +29,7 @@ class SizeSearch:
 
     Args:
         what: how a size is named in logs and errors, followed by the size
-            (``"micro-step of"``: "micro-step of 64 does not fit"). May be changed
-            later (an evaluator names its mode).
+            (``"micro-step of"``: "micro-step of 64 does not fit").
         ledger: ``ledger(size)``, the size's `jax_adaptive.Ledger`, compiling it if need
             be; out-of-memory errors while compiling are caught.
         capacity: ``capacity()``, the bytes a ledger may reach (None: unknown).
@@ -103,8 +102,10 @@ class SizeSearch:
         ledger, error = catch_oom(lambda: self._ledger(size))  # compiling may run out
         decided: DecidedBy = "compile" if ledger is None else "cache" if measured else "estimate"
         if ledger is not None:
-            _, error = catch_oom(lambda: self.check(size, ledger))
-            if error is None and self.learned_cap is not None and ledger.total > self.learned_cap:
+            capacity = self._capacity()
+            if capacity is not None and ledger.total > capacity:
+                error = "above the capacity"
+            elif self.learned_cap is not None and ledger.total > self.learned_cap:
                 decided, error = "learned", "above the capacity learned from real runs"
         self.record(size, error is None, ledger, time.perf_counter() - start, decided, reason)
         return error is None

@@ -402,7 +402,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
 
     def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
-        batches.batch_size = T = trainer.target_batch_size_for(state)
+        batches.batch_size = T = trainer.target_batch_size  # of the state it returned last
         state, metrics = trainer.step(state, next(batches))
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
