@@ -34,7 +34,6 @@ import hashlib
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,9 +44,9 @@ from jax_adaptive.data import leading_size
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
-    device_bytes_in_use,
     device_capacity,
     memory_report,
+    others_bytes,
     tree_bytes,
     usable_capacity,
 )
@@ -347,10 +346,8 @@ class AdaptiveStep:
         return True
 
     def _measure_others(self, args: tuple[Any, ...]) -> None:
-        in_use = device_bytes_in_use(self.device)
-        if in_use is not None:
-            own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
-            self._others = max(0, in_use - own)
+        own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
+        self._others = others_bytes(self.device, own)
 
     def _largest(self, *, hi: int, reason: str) -> int:
         """The largest size in ``[multiple_of, hi]`` whose ledger fits, guided by the model."""
@@ -413,16 +410,9 @@ class AdaptiveStep:
         )
 
     def _cached_plan(self) -> int | None:
-        if self.plan_cache is None:
+        if self.plan_cache is None:  # no key to compute (it lowers the step)
             return None
-        start = time.perf_counter()
-        entry = self.plan_cache.plan(self._key(), self.batch_size)
-        if entry is None:
-            return None
-        size = entry["micro_batch_size"]
-        seconds = time.perf_counter() - start
-        self.sizes.record(size, True, entry.get("estimated_bytes"), seconds, "plan cache", "init")
-        return size
+        return self.sizes.from_cache(self.plan_cache, self._key(), self.batch_size, "init")
 
     # ------------------------------------------------------------ the guarded call
 

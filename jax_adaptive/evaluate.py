@@ -43,9 +43,9 @@ from jax_adaptive.executables import Executable, FaultHook, example_structs
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
-    device_bytes_in_use,
     device_capacity,
     memory_report,
+    others_bytes,
     tree_bytes,
     usable_capacity,
 )
@@ -475,9 +475,7 @@ class Evaluator:
         bound = self._bound
         if hi in bound.plans:
             return bound.plans[hi]
-        in_use = device_bytes_in_use(self.device)
-        if in_use is not None:
-            self._others = max(0, in_use - bound.resident_bytes)
+        self._others = others_bytes(self.device, bound.resident_bytes)
         largest = self._cached_plan(hi)
         if largest is None:
             largest = self._search(hi, reason=self._mode)
@@ -533,18 +531,9 @@ class Evaluator:
         )
 
     def _cached_plan(self, hi: int) -> int | None:
-        if self.plan_cache is None:
+        if self.plan_cache is None:  # no key to compute
             return None
-        start = time.perf_counter()
-        entry = self.plan_cache.plan(self._key(hi), hi)
-        if entry is None:
-            return None
-        size = entry["micro_batch_size"]
-        seconds = time.perf_counter() - start
-        self.sizes.record(
-            size, True, entry.get("estimated_bytes"), seconds, "plan cache", self._mode
-        )
-        return size
+        return self.sizes.from_cache(self.plan_cache, self._key(hi), hi, self._mode)
 
     def _search(self, hi: int, reason: str) -> int:
         """The largest size in ``[1, hi]`` whose ledger fits, multiples of ``multiple_of`` first."""

@@ -34,6 +34,7 @@ __all__ = [
     "estimate_peak_bytes",
     "learned_capacity",
     "memory_report",
+    "others_bytes",
     "tree_bytes",
     "usable_capacity",
 ]
@@ -199,6 +200,18 @@ def usable_capacity(
     if device_bytes is not None:
         caps.append(int(device_bytes * (1.0 - headroom)) - others)
     return min(caps) if caps else None
+
+
+def others_bytes(device: jax.Device | None, own: int) -> int:
+    """Bytes live on the device that are not ``own`` (another job's, say); 0 where unknown.
+
+    Example:
+        >>> import jax
+        >>> others_bytes(jax.devices("cpu")[0], own=1_000)  # a CPU says nothing
+        0
+    """
+    in_use = device_bytes_in_use(device)
+    return 0 if in_use is None else max(0, in_use - own)
 
 
 def learned_capacity(peak: int, headroom: float, first: bool, known: int | None = None) -> int:

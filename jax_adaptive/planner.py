@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any, Literal
 
 import jax
@@ -26,8 +25,8 @@ from jax_adaptive.executables import Executable, Executables
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
-    device_bytes_in_use,
     device_capacity,
+    others_bytes,
     tree_bytes,
     usable_capacity,
 )
@@ -134,10 +133,8 @@ class Planner:
         return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
     def _measure_others(self) -> None:
-        in_use = device_bytes_in_use(self.device)
-        if in_use is not None:
-            own = tree_bytes(self.executables.state_structs)  # live now; totals are not yet
-            self._others = max(0, in_use - own)
+        own = tree_bytes(self.executables.state_structs)  # live now; totals are not yet
+        self._others = others_bytes(self.device, own)
 
     def ledger(self, size: int, chunk: int = 1) -> Ledger:
         """The `jax_adaptive.Ledger` of ``chunk`` micro-steps of ``size``, compiled if need be."""
@@ -345,15 +342,9 @@ class Planner:
 
     def _cached_plan(self) -> int | None:
         """The size a run of the same job stored, if it makes sense; else None."""
-        if self.plan_cache is None:
+        if self.plan_cache is None:  # no key to compute (it lowers the micro-step)
             return None
-        start = time.perf_counter()
-        entry = self.plan_cache.plan(self.key(), self.target_batch_size)
-        if entry is None:
-            return None
-        size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
-        self.sizes.record(size, True, estimate, time.perf_counter() - start, "plan cache", "init")
-        return size
+        return self.sizes.from_cache(self.plan_cache, self.key(), self.target_batch_size, "init")
 
     def _store_plan(self) -> None:
         if self.plan_cache is None or self.fixed is not None:

@@ -156,6 +156,19 @@ class SizeSearch:
             f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
         )
 
+    def from_cache(self, plan_cache: Any, key: str, bound: int, reason: str) -> int | None:
+        """The size a run of the same job stored in ``plan_cache`` (recorded), or None.
+
+        ``bound``: the largest size that makes sense (an entry above it is ignored).
+        """
+        start = time.perf_counter()
+        entry = plan_cache.plan(key, bound)
+        if entry is None:
+            return None
+        size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
+        self.record(size, True, estimate, time.perf_counter() - start, "plan cache", reason)
+        return size
+
     def learn(self, peak: int, first: bool) -> None:
         """A real out-of-memory at a ledger of ``peak``: the capacity lies below it."""
         self.learned_cap = learned_capacity(peak, self.headroom, first, self.learned_cap)
