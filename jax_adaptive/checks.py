@@ -178,11 +178,6 @@ def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> 
         Traceback (most recent call last):
         ValueError: micro_batch_size=16 must not exceed target_batch_size=8.
     """
-    if shards > T:
-        raise ValueError(
-            f"target_batch_size={T} is smaller than the {shards} data shards of the "
-            "mesh: every device needs an example."
-        )
     if multiple_of > T:
         raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
     if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
@@ -258,16 +253,14 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
     """
     size = leading_size(batch)
-    if size != T and update is not None:
-        raise ValueError(
-            f"the batch has leading size {size}, but the batch-size schedule gives "
-            f"target_batch_size={T} at update {update} (state.updates): pass {T} examples."
-        )
     if size != T:
-        raise ValueError(
-            f"the batch has leading size {size}, but each step takes exactly "
-            f"target_batch_size={T} examples."
+        rule = (
+            f"each step takes exactly target_batch_size={T} examples."
+            if update is None
+            else f"the batch-size schedule gives target_batch_size={T} at update {update} "
+            f"(state.updates): pass {T} examples."
         )
+        raise ValueError(f"the batch has leading size {size}, but {rule}")
     got, want = jax.tree.structure(batch), jax.tree.structure(example)
     if got != want:
         raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")

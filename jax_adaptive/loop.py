@@ -144,7 +144,6 @@ def fit_loop(
     batch, kept = None, []
     try:
         while num_updates is None or len(history) < num_updates:
-            batch, kept = None, []
             try:
                 batch = next(iterator)
             except StopIteration:
