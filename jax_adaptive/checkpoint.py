@@ -15,6 +15,7 @@ import hashlib
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ class Checkpoints:
             written under another ``run`` is refused on restore.
         max_to_keep: how many checkpoints to keep.
         examples_per_update: when given, a checkpoint's data position must be its
-            update times this (a stream that read past its updates is not resumed).
+            update times this, or, a callable (a batch-size schedule's
+            ``examples_before``), what it gives for the update (a stream that read past
+            its updates is not resumed).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax
@@ -86,7 +89,7 @@ class Checkpoints:
         run: dict[str, Any],
         *,
         max_to_keep: int = 2,
-        examples_per_update: int | None = None,
+        examples_per_update: int | Callable[[int], int] | None = None,
     ):
         self.run = dict(run)
         self.directory = Path(directory).absolute()
@@ -175,7 +178,12 @@ class Checkpoints:
         if "sha256" in meta and state_digest({"state": saved}, update, position) != meta["sha256"]:
             raise _Damaged("its arrays, update or position differ from what was saved")
         per_update = self.examples_per_update
-        if per_update is not None and position != update * per_update:
+        if callable(per_update) and position != per_update(update):
+            raise _Damaged(
+                f"its data position {position} is not the {per_update(update)} examples of "
+                f"{update} scheduled updates"
+            )
+        if isinstance(per_update, int) and position != update * per_update:
             raise _Damaged(
                 f"its data position {position} is not {update} updates x {per_update} examples"
             )

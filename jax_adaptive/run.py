@@ -336,8 +336,12 @@ class Workdir(contextlib.AbstractContextManager):
             ) from None
         self.checkpoints = None
         if run is not None:
-            per_update = config.target_batch_size if config.batch_schedule is None else None
-            self.checkpoints = Checkpoints(  # a schedule's positions: checked on restore
+            per_update = (
+                config.target_batch_size
+                if config.batch_schedule is None
+                else config.schedule().examples_before
+            )
+            self.checkpoints = Checkpoints(
                 self.path / "checkpoints", run, examples_per_update=per_update
             )
         held = self.checkpoints is not None and self.checkpoints.latest() is not None

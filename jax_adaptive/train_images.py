@@ -395,7 +395,6 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
             state, position = restored
             done = int(state.updates)
             trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
-            _check_position(position, done, schedule)
     print(_plan_line(trainer, search, done, config.batch_schedule), file=out)
     T = trainer.target_batch_size
     batches = ShuffledBatches(source, T, seed=config.seed, start=position)
@@ -437,16 +436,6 @@ def _updates_in(examples: float, schedule: Any) -> int:
         total += schedule(updates)
         updates += 1
     return max(1, updates)
-
-
-def _check_position(position: int, done: int, schedule: Any) -> None:
-    """A checkpoint's data position must be its updates' examples under the schedule."""
-    expected = schedule.examples_before(done)
-    if position != expected:
-        raise ValueError(
-            f"the checkpoint of update {done} is at data position {position}, but the batch "
-            f"schedule's {done} updates take {expected} examples: was --batch-schedule changed?"
-        )
 
 
 def _summary(
