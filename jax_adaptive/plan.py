@@ -7,15 +7,12 @@ largest size that fits.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Literal, NamedTuple
 
 from jax_adaptive.memory import Ledger
 
-log = logging.getLogger("jax_adaptive")
-
-__all__ = ["Objective", "Plan", "SizeTrial", "chunk_length", "least_padding_size", "record_trial"]
+__all__ = ["Objective", "Plan", "SizeTrial", "chunk_length", "least_padding_size"]
 
 DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
 Objective = Literal["least_padding", "max", "throughput"]
@@ -51,51 +48,6 @@ class SizeTrial(NamedTuple):
     state_bytes: int | None = None
     in_flight_bytes: int | None = None
     program_bytes: int | None = None
-
-
-def record_trial(
-    search_log: list[SizeTrial],
-    what: str,
-    size: int,
-    fits: bool,
-    ledger: Ledger | int | None,
-    seconds: float,
-    decided_by: DecidedBy,
-    reason: str,
-) -> SizeTrial:
-    """Appends a `SizeTrial` to ``search_log`` and logs it at INFO; returns it.
-
-    Args:
-        search_log: the list to append to.
-        what: the size's name in the log line (``"micro-batch"``, ``"evaluation batch"``).
-        size: as in `SizeTrial`.
-        fits: as in `SizeTrial`.
-        seconds: as in `SizeTrial`.
-        decided_by: as in `SizeTrial`.
-        reason: as in `SizeTrial`.
-        ledger: the size's `jax_adaptive.Ledger` (its parts are recorded), its total
-            bytes alone, or None when unknown.
-
-    Example:
-        >>> trials = []
-        >>> record_trial(trials, "micro-batch", 8, True, 1024, 0.5, "estimate", "init").fits
-        True
-        >>> trials[0].estimated_bytes
-        1024
-    """
-    parts = (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
-    total = ledger.total if isinstance(ledger, Ledger) else ledger
-    trial = SizeTrial(size, fits, total, seconds, decided_by, reason, *parts)
-    search_log.append(trial)
-    log.info(
-        "%s %d %s (%s, %s bytes)",
-        what,
-        size,
-        "fits" if fits else "does not fit",
-        decided_by,
-        f"{total:,}" if total is not None else "?",
-    )
-    return trial
 
 
 class Plan(NamedTuple):

@@ -10,16 +10,19 @@ largest size that fits with `jax_adaptive.search_max_size`, guided by the memory
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from jax_adaptive.memory import Ledger, learned_capacity
 from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import DecidedBy, SizeTrial, record_trial
+from jax_adaptive.plan import DecidedBy, SizeTrial
 from jax_adaptive.search import NothingFitsError, search_max_size
 
 __all__ = ["SizeSearch"]
+
+log = logging.getLogger("jax_adaptive")
 
 Propose = Callable[[int | None, int | None], int | None]
 
@@ -182,7 +185,24 @@ class SizeSearch:
         decided_by: DecidedBy,
         reason: str,
     ) -> SizeTrial:
-        """Records a trial decided elsewhere (a plan cache, a run that ran out of memory)."""
-        return record_trial(
-            self.search_log, self.what, size, fits, ledger, seconds, decided_by, reason
+        """Appends a `SizeTrial` to ``search_log`` and logs it at INFO; returns it.
+
+        ``ledger``: the size's `jax_adaptive.Ledger` (its parts are recorded), its
+        total bytes alone, or None when unknown. `fits` records its own trials; this is
+        also for trials decided elsewhere (a plan cache, a run that ran out of memory).
+        """
+        parts = (
+            (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
         )
+        total = ledger.total if isinstance(ledger, Ledger) else ledger
+        trial = SizeTrial(size, fits, total, seconds, decided_by, reason, *parts)
+        self.search_log.append(trial)
+        log.info(
+            "%s %d %s (%s, %s bytes)",
+            self.what,
+            size,
+            "fits" if fits else "does not fit",
+            decided_by,
+            f"{total:,}" if total is not None else "?",
+        )
+        return trial
