@@ -3,7 +3,8 @@
 At micro-batch 8, 64 and 512 (T = 1024, Adam), one process, interleaved rounds, medians:
 
 - ``trainer``: `ja.AdaptiveTrainer` with that fixed micro-batch size, ``chunk="auto"``
-  (micro-steps scanned in chunks), a host (NumPy) batch, as a data loader gives it;
+  (micro-steps scanned in chunks, the last program running the optimizer step too), a
+  host (NumPy) batch, as a data loader gives it;
 - ``trainer_device``: the same with the batch already on the device;
 - ``trainer_chunk1``: one dispatch per micro-step (``chunk=1``), today's design before
   chunks, host batch;
@@ -166,6 +167,7 @@ def main() -> None:
             "hidden_width": width,
             "micro_steps": T // m,
             "chunk": trainer.plan_info.chunk,  # decided at the first update
+            "fused": trainer.plan_info.fused,  # the last program runs the optimizer step
             "ms_per_update": {name: s * 1e3 for name, s in seconds.items()},
             "trainer_over_optax_microbatch": ratio,
             "trainer_device_over_optax_microbatch": seconds["trainer_device"]

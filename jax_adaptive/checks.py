@@ -261,23 +261,23 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
             f"(state.updates): pass {T} examples."
         )
         raise ValueError(f"the batch has leading size {size}, but {rule}")
-    got, want = jax.tree.structure(batch), jax.tree.structure(example)
+    (leaves, got), (specs, want) = jax.tree.flatten(batch), jax.tree.flatten(example)
     if got != want:
         raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for (path, x), spec in zip(leaves, jax.tree.leaves(example), strict=True):
-        where = jax.tree_util.keystr(path)
+    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
+        if np.shape(x)[1:] == spec.shape and have == need:
+            continue
+        where = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
         if np.shape(x)[1:] != spec.shape:
             raise ValueError(
                 f"the batch leaf {where} has per-example shape {np.shape(x)[1:]}, but "
                 f"example_batch had {spec.shape}."
             )
-        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
-        if have != need:
-            raise ValueError(
-                f"the batch leaf {where} has dtype {have}, but example_batch had {need}; "
-                f"cast it (x.astype({need.name!r}))."
-            )
+        raise ValueError(
+            f"the batch leaf {where} has dtype {have}, but example_batch had {need}; "
+            f"cast it (x.astype({need.name!r}))."
+        )
     if weights is not None and np.shape(weights) != (T,):
         raise ValueError(f"weights must have shape ({T},), got {np.shape(weights)}.")
 
@@ -302,6 +302,8 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
             return jax.device_put(x, device)
         return x
 
+    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+        return batch  # host arrays: nothing to move
     return jax.tree.map(move, batch)
 
 

@@ -47,21 +47,19 @@ def leading_size(batch: Any, name: str = "batch") -> int:
         >>> leading_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
         8
     """
-    leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
-    if not leaves:
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
+    if not shapes:
         raise ValueError(f"{name} has no arrays in it.")
-    sizes = {}
-    for path, leaf in leaves:
-        shape = np.shape(leaf)
+    if all(shapes) and len({shape[0] for shape in shapes}) == 1:
+        return shapes[0][0]
+    paths = [
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(batch)[0]
+    ]
+    for path, shape in zip(paths, shapes, strict=True):
         if not shape:
-            raise ValueError(
-                f"{name}{jax.tree_util.keystr(path)} is a scalar; every leaf needs a "
-                "leading batch axis."
-            )
-        sizes[jax.tree_util.keystr(path)] = shape[0]
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"the leaves of {name} disagree in leading size: {sizes}.")
-    return next(iter(sizes.values()))
+            raise ValueError(f"{name}{path} is a scalar; every leaf needs a leading batch axis.")
+    sizes = {path: shape[0] for path, shape in zip(paths, shapes, strict=True)}
+    raise ValueError(f"the leaves of {name} disagree in leading size: {sizes}.")
 
 
 @jax.jit
@@ -71,6 +69,8 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 def _rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
     if isinstance(leaf, jax.Array):
+        if idx is None and start == 0 and m == leaf.shape[0]:
+            return leaf  # the whole batch: no copy
         rows = idx if idx is not None else np.arange(start, start + m)
         return _take(leaf, rows.astype(np.int32))
     leaf = np.asarray(leaf)

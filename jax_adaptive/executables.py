@@ -46,6 +46,7 @@ from jax_adaptive.step import (
     make_optimizer_step,
     per_device,
     scan_micro_steps,
+    with_optimizer_step,
 )
 
 __all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs"]
@@ -151,13 +152,17 @@ class Executables:
 
     A *chunk* of ``c`` micro-steps of one size runs as one program (`scan_micro_steps`):
     ``micro(size, chunk=c)`` takes ``c * size`` examples (``[c, size, ...]`` when
-    `per_device`). Chunk 1 is the plain micro-step the search compiles.
+    `per_device`). Chunk 1 is the plain micro-step the search compiles. ``final(size,
+    chunk=c)`` is the same program followed by the optimizer step
+    (`jax_adaptive.step.with_optimizer_step`): an update's last dispatch, when it fits.
 
     Attributes:
         compiles: micro-step compiles so far (chunks of one; what a search costs).
         chunk_compiles: compiles of chunks of several micro-steps.
+        final_compiles: compiles of last programs (micro-steps and the optimizer step).
         trace_counts: traces of the micro-step per size (one each, never a retrace).
-        chunk_trace_counts: traces of the micro-step inside chunks, per size (one each).
+        chunk_trace_counts: traces of the micro-step inside chunks and last programs,
+            per size.
         fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
         generation: how many shapes it was bound to; what was learned of a size under
             another generation (its peak, that it ran) says nothing of it now.
@@ -198,7 +203,7 @@ class Executables:
         self.target_batch_size = target_batch_size
         self.has_aux, self.has_state = has_aux, has_state
         self.everywhere, self.data, self.in_flight = everywhere, data, in_flight
-        self.compiles = self.chunk_compiles = 0
+        self.compiles = self.chunk_compiles = self.final_compiles = 0
         self.trace_counts: Counter[int] = Counter()
         self.fault_hook: FaultHook | None = None
         self.generation = 0  # bumped by each bind to a new shape: measures of old ones are void
@@ -224,6 +229,8 @@ class Executables:
         self._lowered: dict[tuple[int, int], Any] = {}
         self._reports: dict[tuple[int, int], dict[str, int]] = {}
         self._optimizer: dict[bool, Executable] = {}
+        self._finals: dict[tuple[int, int], Executable] = {}
+        self._final_ledgers: dict[tuple[int, int], Ledger] = {}  # kept when programs go
         self._ledgers: dict[tuple[int, int], Ledger] = {}  # each update checks its sizes'
         self._fingerprint: str | None = None
 
@@ -384,16 +391,18 @@ class Executables:
         temporaries (a runtime may allocate them at dispatch).
         """
         if (size, chunk) not in self._ledgers:
-            report = self.report(size, chunk)
-            args = self.micro_structs(size, chunk)
-            inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
-            new_outputs = report["output"] - report["alias"]
-            self._ledgers[size, chunk] = Ledger(
-                state=self.state_bytes(),
-                in_flight=self.in_flight * (inputs + new_outputs),
-                program=self.in_flight * report["temp"] + report["code"],
-            )
+            self._ledgers[size, chunk] = self._ledger_of(self.report(size, chunk), size, chunk)
         return self._ledgers[size, chunk]
+
+    def _ledger_of(self, report: dict[str, int], size: int, chunk: int) -> Ledger:
+        args = self.micro_structs(size, chunk)
+        inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
+        new_outputs = report["output"] - report["alias"]
+        return Ledger(
+            state=self.state_bytes(),
+            in_flight=self.in_flight * (inputs + new_outputs),
+            program=self.in_flight * report["temp"] + report["code"],
+        )
 
     def example_bytes(self) -> int:
         """Bytes one example (and its weight) adds to a program's inputs."""
@@ -414,8 +423,9 @@ class Executables:
 
     def release(self, keep: Container[int]) -> None:
         """Frees the compiled programs of every size not in ``keep`` (reports stay)."""
-        for key in [key for key in self._compiled if key[0] not in keep]:
-            del self._compiled[key]
+        for programs in (self._compiled, self._finals):
+            for key in [key for key in programs if key[0] not in keep]:
+                del programs[key]
         self._lowered = {key: low for key, low in self._lowered.items() if key[0] in keep}
 
     def compiled_sizes(self) -> list[int]:
@@ -471,6 +481,43 @@ class Executables:
                 compiled, memory_report(compiled), time.perf_counter() - start
             )
         return self._optimizer[donate]
+
+    def final(self, size: int, chunk: int = 1) -> Executable:
+        """An update's last ``chunk`` micro-steps of ``size`` and the optimizer step, compiled.
+
+        It takes the arguments of ``micro(size, chunk)``, donates what it donates (the
+        train state stays intact: a failure loses nothing) and returns ``(params,
+        opt_state, model_state, means)`` (`jax_adaptive.step.with_optimizer_step`).
+        Compiled once per size and chunk; `final_ledger` is its peak.
+        """
+        key = self._check_size(size), self._check_chunk(size, chunk)
+        if key not in self._finals:
+            s = self.state_structs
+            program = with_optimizer_step(
+                self._program(self._chunk_fn, size if chunk > 1 else None),
+                make_optimizer_step(self.optimizer, per_device=self.per_device),
+            )
+            outs = _shardings((s.params, s.opt_state, s.model_state, self.means_struct))
+            start = time.perf_counter()
+            if self.fault_hook is not None:
+                self.fault_hook.before_compile(size)
+            compiled = (
+                jax.jit(program, donate_argnames=DONATED, out_shardings=outs)
+                .lower(*self.micro_structs(*key))
+                .compile()
+            )
+            self.final_compiles += 1
+            self._finals[key] = Executable(
+                compiled, memory_report(compiled), time.perf_counter() - start
+            )
+        return self._finals[key]
+
+    def final_ledger(self, size: int, chunk: int = 1) -> Ledger:
+        """Everything live while `final` runs: ``ledger``'s parts, with the new state."""
+        if (size, chunk) not in self._final_ledgers:
+            report = self.final(size, chunk).report
+            self._final_ledgers[size, chunk] = self._ledger_of(report, size, chunk)
+        return self._final_ledgers[size, chunk]
 
     def optimizer_step_ledger(self, donate: bool) -> Ledger:
         """Everything live while the optimizer step runs: the state, its new outputs, temps."""

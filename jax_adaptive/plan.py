@@ -56,14 +56,18 @@ class Plan(NamedTuple):
     Attributes:
         micro_batch_size: the size.
         accumulation_steps: micro-steps per update.
-        ledger: everything live while it runs (None before it was measured: a fixed
-            size or a plan from the cache, until its first compile).
+        ledger: everything live while it runs, at the peak of the programs an update
+            runs (None before it was measured: a fixed size or a plan from the cache,
+            until its first compile).
         capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
         chunk: micro-steps per dispatch (`chunk_length`), the ledger the chunk's; None
             until the size's first update decides it.
         largest: the largest size that fits, which ``objective="least_padding"`` (the
             default) trims to the same micro-steps with the least padding (None: not
             searched, a fixed size or a plan from the cache).
+        fused: whether the update's last program runs the optimizer step too (one
+            dispatch fewer; its ledger, with the new state beside the old, fits);
+            None until the size's first update decides it.
     """
 
     micro_batch_size: int
@@ -72,6 +76,7 @@ class Plan(NamedTuple):
     capacity: int | None
     chunk: int | None = None
     largest: int | None = None
+    fused: bool | None = None
 
 
 def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 1) -> int:

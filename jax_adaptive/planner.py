@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -42,6 +43,12 @@ __all__ = ["Planner"]
 log = logging.getLogger("jax_adaptive")
 
 GrowPolicy = Literal["never", "on_limit_change"] | int
+
+
+def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
+    """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``."""
+    measured, error = catch_oom(ledger)  # compiling may run out of memory
+    return error is None and (capacity is None or measured.total <= capacity)
 
 
 class Planner:
@@ -117,6 +124,8 @@ class Planner:
         self.size: int | None = None
         self.chunk_limit = chunk
         self._chunk: int | None = None  # decided at the size's first update
+        self._fused: bool | None = None  # the last program runs the optimizer step too
+        self._final: tuple[int, Executable] | None = None  # and that program, when it does
         self.largest: int | None = None  # the largest size that fits, when searched
         self._open = True  # no size above `largest` was tried: a larger target searches up
         self._generation = 0  # the executables' binding the memory model measured
@@ -179,11 +188,20 @@ class Planner:
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
-            self.executables.ledger(self.size, self.chunk) if known else None,
+            self._peak() if known else None,
             self.capacity(),
             self._chunk,
             None if self.largest is None else min(self.largest, self.target_batch_size),
+            self._fused,
         )
+
+    def _peak(self) -> Ledger:
+        """The largest ledger of the programs an update runs (chunks, the last one)."""
+        final, steps = self.final, math.ceil(self.target_batch_size / self.size)
+        ledgers = [] if final is None else [self.executables.final_ledger(self.size, final[0])]
+        if final is None or steps > final[0]:
+            ledgers.append(self.executables.ledger(self.size, self.chunk))
+        return max(ledgers, key=lambda ledger: ledger.total)
 
     # ------------------------------------------------------------ planning
 
@@ -198,7 +216,8 @@ class Planner:
             self._generation = self.executables.generation
             self.memory_model = MemoryModel(prior=self.memory_model.prior)
         self._measure_others()
-        self.optimizer_step()  # compiles it, and checks that the state itself fits
+        if self.capacity() is not None:  # the state itself must fit: compile and check
+            self.optimizer_step()
         if self.fixed is not None:
             size = self._fixed_for(self.target_batch_size)
             self.executables.micro(size)
@@ -274,7 +293,7 @@ class Planner:
         self.size = size
         self._store_plan()
         self.executables.release(keep={size})
-        self._chunk = None
+        self._chunk = self._fused = None
 
     @property
     def chunk(self) -> int:
@@ -310,16 +329,60 @@ class Planner:
             most = 1 + max(0, spare) // per
         chunk = chunk_length(steps, most)
         while chunk > 1:
-            ledger, error = catch_oom(lambda c=chunk: self.ledger(size, c))
-            if error is None and (capacity is None or ledger.total <= capacity):
+            # The whole update in one program: the one with the optimizer step, if it fits.
+            whole = (
+                chunk == steps
+                and self._fusable
+                and _fits(lambda: self.executables.final_ledger(size, steps), capacity)
+            )
+            if whole or _fits(lambda c=chunk: self.ledger(size, c), capacity):
                 break
             chunk = chunk_length(steps, chunk - 1)
         return chunk
 
+    @property
+    def final(self) -> tuple[int, Executable] | None:
+        """The update's last program with the optimizer step in it, and its micro-steps.
+
+        The last dispatch of an update (the last chunk when the chunk divides the
+        micro-steps, else a single micro-step) runs the optimizer step too, one dispatch
+        and one wait fewer per update (`Executables.final`), when its ledger fits: the
+        new state is then allocated beside the old one, which stays intact. Decided
+        (compiled) at the size's first update and again after the size or the limit
+        changes; never with several processes. None: the optimizer step runs apart.
+        """
+        if self._fused is None:
+            steps = math.ceil(self.target_batch_size / self.size)
+            last = self.chunk if steps % self.chunk == 0 else 1
+            ledger = lambda: self.executables.final_ledger(self.size, last)  # noqa: E731
+            self._fused = self._fusable and _fits(ledger, self.sizes.guide_capacity())
+            self._final = (last, self.executables.final(self.size, last)) if self._fused else None
+        return self._final
+
+    @property
+    def _fusable(self) -> bool:
+        """Whether the optimizer step may join the last micro-steps: with one process only.
+
+        With several, micro-steps hold no collective so that one that runs out of memory
+        leaves no other waiting (`jax_adaptive.update.Updater`): the optimizer step's
+        reduction keeps a program of its own.
+        """
+        return jax.process_count() == 1
+
     def unchunk(self) -> None:
-        """After a chunk ran out of memory: one micro-step per dispatch for this size."""
-        log.warning("a chunk of %d micro-steps of %d ran out of memory", self.chunk, self.size)
-        self._chunk = 1
+        """After a program of several micro-steps, or the optimizer step's, ran out of memory.
+
+        From then on, for this size: one micro-step per dispatch and the optimizer
+        step apart, the least each program needs.
+        """
+        log.warning(
+            "a program of %d micro-steps of %d%s ran out of memory: one micro-step per "
+            "dispatch from now on, the optimizer step apart",
+            self.chunk,
+            self.size,
+            " and the optimizer step" if self._fused else "",
+        )
+        self._chunk, self._fused, self._final = 1, False, None
 
     def key(self) -> str:
         """The plan cache's key: what decides the plan, as it is now (the live limit)."""
@@ -437,6 +500,8 @@ class Planner:
         if memory_limit is not None and old is not None:
             self._limit_raised = memory_limit > old
         self.memory_limit = memory_limit
+        if self._fused:  # decided under the old limit
+            self._fused = None
 
     def shrink(self, exc: BaseException, size: int) -> int:
         """Marks ``size`` as not fitting after ``exc`` and plans a smaller one.

@@ -45,6 +45,7 @@ __all__ = [
     "multi_steps",
     "per_device",
     "weighted_sums",
+    "with_optimizer_step",
 ]
 
 Params: TypeAlias = Any
@@ -299,6 +300,49 @@ def make_optimizer_step(
         return optax.apply_updates(params, updates), new_opt, means
 
     return optimizer_step
+
+
+def with_optimizer_step(
+    program: Callable[..., Any], optimizer_step: Callable[..., Any]
+) -> Callable[..., Any]:
+    """An update's last program: ``program``'s micro-steps, then the optimizer step.
+
+    One dispatch and one wait fewer per update than running the two apart. ``program``
+    is a micro-step or a chunk of them (`scan_micro_steps`, `per_device`) and
+    ``optimizer_step`` from `make_optimizer_step`; the result takes the micro-step's
+    arguments (`make_micro_step`) and returns ``(params, opt_state, model_state,
+    means)``. Jit it donating the micro-step's donated arguments only: the parameters
+    and the optimizer state stay intact whatever happens, so a failure loses nothing
+    (the new state is then allocated beside the old one: the state twice, as the
+    optimizer step alone needs).
+
+    Example:
+        >>> import optax
+        >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
+        >>> last = jax.jit(with_optimizer_step(
+        ...     make_micro_step(loss, optax.sgd(0.5), 2), make_optimizer_step(optax.sgd(0.5), 2)))
+        >>> params = {"w": jnp.ones(())}
+        >>> opt = multi_steps(optax.sgd(0.5), 2).init(params)
+        >>> batch = {"x": jnp.ones(2), "y": jnp.zeros(2)}
+        >>> new, new_opt, _, means = last(params, opt._replace(acc_grads=None), opt.acc_grads,
+        ...     (), {"loss": jnp.zeros(())}, batch, jnp.ones(2), jax.random.key(0), 0, 2)
+        >>> float(new["w"]), int(new_opt.gradient_step), float(means["loss"])
+        (0.0, 1, 1.0)
+    """
+
+    def last(
+        params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+        target=None,
+    ):  # fmt: skip
+        acc, mini_step, model_state, totals = program(
+            params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+            target,
+        )  # fmt: skip
+        opt_state = opt_state._replace(acc_grads=acc, mini_step=mini_step)
+        params, opt_state, means = optimizer_step(params, opt_state, totals, k, target)
+        return params, opt_state, model_state, means
+
+    return last
 
 
 def _sum_over_devices(opt_state: optax.MultiStepsState, totals: dict) -> tuple[Any, dict]:

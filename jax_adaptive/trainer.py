@@ -410,11 +410,14 @@ class AdaptiveTrainer:
         """
         return self._executables.micro(size).compiled
 
-    def ledger(self, size: int, chunk: int = 1) -> Ledger:
+    def ledger(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Ledger:
         """Everything live on the device while micro-steps of ``size`` run, by part.
 
         This, not the program's own estimate, is what the capacity is compared with.
-        With ``chunk``: the program of that many micro-steps in one dispatch.
+        With ``chunk``: the program of that many micro-steps in one dispatch. With
+        ``with_optimizer_step``: the update's last program, those micro-steps and then
+        the optimizer step, whose new state lives beside the old (`Plan.fused` says
+        whether updates run it).
 
         Example:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -425,6 +428,8 @@ class AdaptiveTrainer:
             >>> ledger.total == ledger.state + ledger.in_flight + ledger.program
             True
         """
+        if with_optimizer_step:
+            return self._executables.final_ledger(size, chunk)
         return self._planner.ledger(size, chunk)
 
     def capacity(self) -> int | None:

@@ -9,6 +9,11 @@ and the totals), so the planner shrinks the size and the update goes on from the
 micro-step that survived, or starts again: nothing is lost and no example is counted
 twice.
 
+The update's last program runs the optimizer step too when the planner fused them
+(`jax_adaptive.planner.Planner.final`: its ledger fits, one process): one dispatch and
+one wait fewer. It donates what a micro-step donates, never the state, so its failure
+loses nothing either; the update then runs again with the optimizer step apart.
+
 A new size's first update, and an update that already failed, keep a host copy of what
 a failure could lose and the micro-step changes (the accumulator, the totals, the model
 state and the mini-step count), never the inner optimizer state the micro-step only
@@ -79,6 +84,8 @@ class _Progress:
     offset: int = 0  # the first example not yet accumulated
     steps: int = 0  # micro-steps accumulated
     saved: _Saved | None = None  # a host copy of a point the update can go on from
+    finishing: bool = False  # the last program, with the optimizer step in it, is running
+    done: Any = None  # its (params, opt_state, model_state, means), once it ran
 
     def kept(self) -> tuple[Any, Any, Any]:
         return self.acc, self.model_state, self.totals
@@ -86,6 +93,12 @@ class _Progress:
 
 def _is_deleted(tree: Any) -> bool:
     return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+
+
+def _ready(out: tuple) -> tuple:
+    """``out`` once the program that made it finished: its outputs finish together."""
+    jax.block_until_ready(out[-1])
+    return out
 
 
 def _release(tree: Any) -> None:
@@ -114,7 +127,7 @@ class Updater:
         self.planner, self.executables = planner, planner.executables
         self.placement, self.in_flight = placement, in_flight
         self.host_bytes = 0
-        self._ran: set[tuple[int, int]] = set()  # (size, chunk) that completed an update
+        self._ran: set[tuple[int, int, bool]] = set()  # (size, chunk, fused) that completed one
         self._optimizer_ran: set[bool] = set()
         self._generation = 0  # the executables' binding the sets above are about
 
@@ -135,7 +148,9 @@ class Updater:
             self._ran.clear()
             self._optimizer_ran.clear()
         self.planner.start_update()
-        weights = np.ones(self.T, np.float32) if weights is None else weights
+        weights = (
+            np.ones(self.T, np.float32) if weights is None else np.asarray(weights, np.float32)
+        )
         progress = self._fresh(state)
         failed = False
         while True:
@@ -146,8 +161,9 @@ class Updater:
             except Exception as exc:
                 if not is_oom(exc):
                     raise
-                if self.planner.chunk > 1:
-                    self.planner.unchunk()  # the size ran before: the chunk's extra did not fit
+                finishing, progress.finishing = progress.finishing, False
+                if self.planner.chunk > 1 or finishing:
+                    self.planner.unchunk()  # the extra of a chunk or the optimizer step's
                 elif self.planner.fixed is not None:
                     raise
                 else:
@@ -172,26 +188,26 @@ class Updater:
             acc = zeros(ex.acc_struct)
         elif _is_deleted(acc):  # donated to a micro-step that failed
             acc = zeros(ex.acc_struct)
-        totals = zeros(ex.totals_struct)
+        # Host zeros: the program's call transfers them, no dispatch of their own.
+        totals = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), ex.totals_struct)
         return _Progress(acc, state.opt_state.mini_step, state.model_state, totals)
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
         They run a chunk at a time (``planner.chunk`` micro-steps in one program), the
-        update's last ones one at a time when fewer than a chunk remain. At most
+        update's last ones one at a time when fewer than a chunk remain; the last
+        program runs the optimizer step too when the planner fused them
+        (`Planner.final`), its results then in ``p.done``. At most
         ``in_flight`` programs are dispatched and not finished: the next examples go to
         the device with their program, once the oldest is done (the ledger counts
         them). ``cautious`` (after an out-of-memory in this update) and a program's
         first run also wait for each program before the next runs and keep a host copy
         of its result, so a failure costs one program's micro-steps, not the update.
         """
-        chunk = self.planner.chunk
-        # What would fail before any micro-step runs (a compile, the capacity), agreed.
-        for c in {chunk, 1}:
-            agreed(lambda c=c: (self.executables.micro(size, c), self.planner.check(size, c)), size)
-        programs = {c: self.executables.micro(size, c).compiled for c in {chunk, 1}}
-        cautious = cautious or (size, chunk) not in self._ran
+        chunk, final = self.planner.chunk, self.planner.final
+        programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
+        cautious = cautious or (size, chunk, final is not None) not in self._ran
         remaining = math.ceil((self.T - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
         running: collections.deque = collections.deque()  # each program's mini_step
@@ -203,28 +219,51 @@ class Updater:
                 agreed(lambda: self._save(p), size)
                 self.planner.ran()
             steps = chunk if math.ceil((self.T - p.offset) / size) >= chunk else 1
-            piece = next(micro_batches(batch, steps * size, start=p.offset))
-            examples, weights = piece.batch
+            end = min(p.offset + steps * size, self.T)
+            last = final is not None and end == self.T and steps == final[0]
+            if last:
+                program = final[1].compiled
+            elif steps in programs:
+                program = programs[steps]
+            else:  # compiled and checked at its first use; a failure here is agreed
+                program = programs[steps] = agreed(lambda s=steps: self._program(size, s), size)
+            examples, weights = self._rows(batch, p.offset, steps * size)
             examples, weights = self.placement.micro_batch(
-                (examples, np.where(piece.mask, np.asarray(weights, np.float32), 0)),
-                split=steps if self.executables.per_device else 1,
+                (examples, weights), split=steps if self.executables.per_device else 1
             )
             args = MicroArgs(
                 state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
-                p.totals, examples, weights, state.rng, np.int32(piece.offset), k,
-                np.int32(self.T),
+                p.totals, examples, weights, state.rng, np.int32(p.offset), k, np.int32(self.T),
             )  # fmt: skip
-            p.acc, p.mini_step, p.model_state, p.totals = self._execute(programs[steps], args, size)
-            p.offset, p.steps = min(piece.offset + steps * size, self.T), p.steps + steps
-            running.append(p.mini_step)
-            del examples, weights, args  # the transferred examples live while they run only
-        # A late (asynchronous) failure must surface as the program's, not later.
-        if cautious:
-            agreed(lambda: self._save(p), size)
-        else:
-            agreed(lambda: jax.block_until_ready(p.kept()), size)
+            p.finishing = last  # a late failure of the last program must surface as its own
+            out = self._execute(program, args, size)
+            if last:
+                # One program's outputs are ready (or failed) together: wait on one.
+                p.done = agreed(lambda out=out: _ready(out), size)
+            else:
+                p.acc, p.mini_step, p.model_state, p.totals = out
+                running.append(p.mini_step)
+            p.finishing = False
+            p.offset, p.steps = end, p.steps + steps
+            del examples, weights, args, out  # the transferred examples live while they run only
+        if p.done is None:  # a late (asynchronous) failure must surface as the program's
+            agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
         self.planner.ran()
-        self._ran.add((size, chunk))
+        self._ran.add((size, chunk, final is not None))
+
+    def _rows(self, batch: tuple[Batch, np.ndarray], start: int, n: int) -> tuple[Batch, Any]:
+        """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0."""
+        if start == 0 and n == self.T:
+            return batch  # the whole batch: nothing to cut
+        piece = next(micro_batches(batch, n, start=start))
+        examples, weights = piece.batch
+        return examples, np.where(piece.mask, weights, np.float32(0))
+
+    def _program(self, size: int, steps: int) -> Any:
+        """The compiled program of ``steps`` micro-steps of ``size``, if its ledger fits."""
+        executable = self.executables.micro(size, steps)
+        self.planner.check(size, steps)
+        return executable.compiled
 
     def _execute(self, program: Any, args: MicroArgs, size: int) -> Any:
         """Runs one program of micro-steps (the fault hook first), agreed between processes.
@@ -290,6 +329,9 @@ class Updater:
     # ------------------------------------------------------------ the optimizer step
 
     def _apply(self, state: TrainState, p: _Progress) -> tuple[TrainState, dict[str, Any]]:
+        if p.done is not None:  # the last program ran the optimizer step
+            params, opt_state, model_state, means = p.done
+            return TrainState(params, opt_state, model_state, state.rng), self._metrics(means, p)
         executable, donating = self.planner.optimizer_step()
         opt = state.opt_state._replace(acc_grads=p.acc, mini_step=p.mini_step)
         inputs = (state.params, opt, p.totals, np.int32(p.steps + 1), np.int32(self.T))
@@ -304,13 +346,15 @@ class Updater:
             raise self._optimizer_failed(state, inputs, snapshot) from error
         params, opt_state, means = out
         self._optimizer_ran.add(donating)
-        metrics = {
+        return TrainState(params, opt_state, p.model_state, state.rng), self._metrics(means, p)
+
+    def _metrics(self, means: dict[str, Any], p: _Progress) -> dict[str, Any]:
+        return {
             **means,
             "micro_batch_size": self.planner.size,
             "accumulation_steps": p.steps,
             "examples": self.T,
         }
-        return TrainState(params, opt_state, p.model_state, state.rng), metrics
 
     def _optimizer_failed(self, state: TrainState, inputs: tuple, snapshot: Any) -> Exception:
         """The error for an optimizer step that ran out of memory, with the state kept."""

@@ -76,6 +76,7 @@ def train(params, batches, *, faults=None, loss=mlp_loss, **kwargs):
             "injected": injector.injected,
             "compiles": trainer.compiles,
             "per_device": getattr(trainer._executables, "per_device", False),
+            "fused": trainer.plan_info.fused,
             "params": host(state.params),
             "shardings": {
                 k: str(getattr(v.sharding, "spec", None)) for k, v in state.params.items()

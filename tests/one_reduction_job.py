@@ -115,6 +115,7 @@ def train(loss, params, batches, *, faults=(), weighted=False, **kwargs):
         "injected": injector.injected,
         "acc_shapes": [list(a.shape) for a in jax.tree.leaves(state.opt_state.acc_grads)],
         "chunk": trainer.plan_info.chunk,
+        "fused": trainer.plan_info.fused,
     }
 
 
@@ -157,6 +158,8 @@ def counts(params, batch):
         "micro": collectives(micro),
         "chunk": collectives(chunk),
         "optimizer": optimizer,
+        # an update's last program: its micro-steps and the optimizer step
+        "final": {str(c): collectives(ex.final(SIZE, c).compiled) for c in (1, 5)},
         "micro_steps_per_update": -(-T // SIZE),
         "stateful_per_device": getattr(stateful, "per_device", False),
         "stateful_micro": collectives(stateful.micro(SIZE).compiled),

@@ -82,6 +82,10 @@ def test_the_chunk_is_the_fewest_dispatches_the_limit_allows():
     fitting = [c for c, total in ledgers.items() if total <= limit]
     expected = min(fitting, key=lambda c: (12 // c + 12 % c, c))  # brute force
     assert 1 < expected < 12
+    # The update's last program (a chunk: it divides 12) runs the optimizer step too
+    # when that fits; the plan's ledger is then the larger of the two programs'.
+    last = probe.ledger(micro, chunk=expected, with_optimizer_step=True).total
+    peak = max(ledgers[expected], last) if last <= limit else ledgers[expected]
     trainer = ja.AdaptiveTrainer(
         mlp_loss,
         optax.adam(1e-2),
@@ -91,7 +95,8 @@ def test_the_chunk_is_the_fewest_dispatches_the_limit_allows():
     )
     state, _ = train(trainer, batches)
     assert trainer.plan_info.chunk == expected
-    assert trainer.plan_info.ledger.total == ledgers[expected] <= limit
+    assert trainer.plan_info.fused == (last <= limit)
+    assert trainer.plan_info.ledger.total == peak <= limit
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
 
@@ -110,6 +115,55 @@ def test_an_out_of_memory_in_a_chunk_costs_the_chunk_and_runs_one_micro_step_per
             state, metrics = trainer.step(state, batch)
     assert faults.injected == [(1, 2)]
     assert trainer.plan_info.chunk == 1 and metrics["micro_batch_size"] == 2
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_the_last_program_runs_the_optimizer_step_when_its_ledger_fits():
+    """Brute force over the limit: the chunk's ledger, the last program's (the chunk and
+    the optimizer step), and the bytes of the new state the latter holds beside the old."""
+    batches = batches_of(3, T)
+    probe = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4)
+    state = probe.init(mlp_params(), batches[0])
+    chunk = probe.ledger(4, chunk=3)
+    last = probe.ledger(4, chunk=3, with_optimizer_step=True)
+    # Beside the old state: the new parameters and the inner optimizer state (Adam's
+    # count and moments); at most 12 bytes more per leaf of the state (a scalar counter,
+    # a pointer in XLA's table of outputs). The accumulator and the totals are written
+    # over the donated ones.
+    new_state = sum(
+        x.nbytes for x in jax.tree.leaves((state.params, state.opt_state.inner_opt_state))
+    )
+    slack = 12 * len(jax.tree.leaves(state))
+    assert new_state <= last.in_flight - chunk.in_flight <= new_state + slack
+    assert last.state == chunk.state
+    for limit, fused in ((last.total, True), (last.total - 1, False)):
+        trainer = ja.AdaptiveTrainer(
+            mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4,
+            memory_limit=limit,
+        )  # fmt: skip
+        with inject_oom(trainer) as counter:  # injects nothing: counts the dispatches
+            state, _ = train(trainer, batches)
+        assert trainer.plan_info.chunk == 3 and trainer.plan_info.fused is fused
+        assert trainer.plan_info.ledger.total == (last if fused else chunk).total <= limit
+        assert counter.executions_seen == 3  # one program per update
+        reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+        assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_an_out_of_memory_in_the_last_program_loses_nothing_and_runs_the_optimizer_apart():
+    batches = batches_of(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    )
+    state = train(trainer, batches[:1])[0]
+    assert trainer.plan_info.fused and trainer.plan_info.chunk == 3
+    with inject_oom(trainer, executions={1}) as faults:  # deletes what it donates
+        for batch in batches[1:]:
+            state, metrics = trainer.step(state, batch)
+    assert faults.injected == [(1, 4)]
+    assert trainer.plan_info.fused is False and trainer.plan_info.chunk == 1
+    assert metrics["micro_batch_size"] == 4 and int(state.updates) == 3
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
 

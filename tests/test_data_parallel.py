@@ -105,6 +105,9 @@ def test_two_processes_agree_and_shrink_together(tmp_path):
     # both shrank at the same micro-step.
     assert first["injected"] and not second["injected"]
     assert first["per_device"] and second["per_device"]
+    # The optimizer step's reduction keeps a program of its own: a micro-step failing on
+    # one process must leave no other waiting in it.
+    assert first["fused"] is second["fused"] is False
     assert second["runs"] == first["runs"] + 1
     assert first["sizes"] == second["sizes"]
     assert first["sizes"][-1] < first["planned"]

@@ -63,6 +63,12 @@ def test_one_gradient_reduction_per_update(result):
     assert per_update == 1
 
 
+def test_the_last_program_with_the_optimizer_step_reduces_once(result):
+    # The micro-steps in it reduce nothing; the optimizer step in it, once.
+    for chunk, ops in result["counts"]["final"].items():
+        assert ops["all-reduce"] == 1 and sum(ops.values()) == 1, (chunk, ops)
+
+
 def test_a_loss_with_model_state_keeps_the_spmd_micro_step(result):
     # Its statistics span the whole micro-batch, as before: the micro-step reduces.
     counts = result["counts"]
@@ -84,6 +90,7 @@ def test_padding_weights_and_aux_equal_one_full_batch_step(result, chunk):
     run = result["weighted"][chunk]
     # chunks hold no collective: under a mesh "auto" scans micro-steps as on one device
     assert run["chunk"] == (5 if chunk == "auto" else int(chunk))  # auto: all 5 at once
+    assert run["fused"]  # the last program reduced the devices' sums and stepped
     _assert_close(run["params"], result["reference"])
     _assert_metrics(run["metrics"], result["reference_metrics"])
     assert run["sizes"] == [24] * 3

@@ -219,10 +219,13 @@ def test_a_real_oom_shrinks_to_the_headroom_below_its_estimate_and_grow_policies
     state = trainer.init(mlp_params(), batches[0])
     cap = _estimate(trainer, T) * (1 - trainer.headroom)
     sizes = []
-    with inject_oom(trainer, executions={1}):
+    # The first failure is the update's one program, the micro-step with the optimizer
+    # step in it: it runs apart, at T again; the second, T's micro-step alone, shrinks.
+    with inject_oom(trainer, executions={1, 2}) as faults:
         for batch in batches:
             state, metrics = trainer.step(state, batch)
             sizes.append(metrics["micro_batch_size"])
+    assert faults.injected == [(1, T), (2, T)]
     shrunk = sizes[0]
     assert _estimate(trainer, shrunk) <= cap < _estimate(trainer, shrunk + 1)
     assert sizes == ([shrunk] * 3 if grow == "never" else [shrunk, shrunk, T])
@@ -234,7 +237,8 @@ def test_repeated_real_ooms_in_one_update_halve_the_learned_capacity():
         mlp_loss, optax.sgd(0.1), target_batch_size=T, grow="never", objective="max"
     )
     state = trainer.init(mlp_params(), batches[0])
-    with inject_oom(trainer, executions={1, 2}):
+    # 1: the micro-step with the optimizer step in it (then apart); 2 and 3: T, then below.
+    with inject_oom(trainer, executions={1, 2, 3}):
         _, metrics = trainer.step(state, batches[0])
     failed = [t for t in trainer.search_log if t.decided_by == "run"]
     assert failed[0].size == T and len(failed) == 2
@@ -274,6 +278,9 @@ def test_host_copies_hold_only_what_a_micro_step_changes():
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     state, _ = trainer.step(state, batches[0])
     steps = -(-T // 4)
-    assert trainer.host_bytes == steps * (param_bytes + 4)  # the accumulator, the loss total
+    # The accumulator and the loss total after each micro-step but the last, which runs
+    # the optimizer step too: nothing follows it to go on from.
+    assert trainer.plan_info.fused
+    assert trainer.host_bytes == (steps - 1) * (param_bytes + 4)
     state, _ = trainer.step(state, batches[1])  # the size ran once: no copies at all
-    assert trainer.host_bytes == steps * (param_bytes + 4)
+    assert trainer.host_bytes == (steps - 1) * (param_bytes + 4)

@@ -105,9 +105,10 @@ def test_an_out_of_memory_after_the_batch_grew_loses_nothing():
     state = trainer.init(mlp_params(), batches[0])
     state, _ = train(trainer, batches[:3], state)  # update 2 ran at 32 x 1
     assert trainer.micro_batch_size == 32
-    with inject_oom(trainer, executions={1}) as faults:
+    # 1: 32 with the optimizer step in its program (then apart), 2: 32 alone (shrinks).
+    with inject_oom(trainer, executions={1, 2}) as faults:
         state, history = train(trainer, batches[3:], state)
-    assert faults.injected == [(1, 32)]
+    assert faults.injected == [(1, 32), (2, 32)]
     assert history[0]["micro_batch_size"] < 32 and history[0]["examples"] == 32
     assert_trees_close(
         state.params, full_batch_reference(mlp_loss, OPT, mlp_params(), batches), 1e-5
