@@ -512,6 +512,16 @@ class Executables:
             )
         return self._finals[key]
 
+    def new_state_bytes(self) -> int:
+        """Bytes an optimizer step writes beside the state it does not donate.
+
+        The parameters and the inner optimizer state: a lower bound of what `final`
+        adds to the micro-steps' ledger.
+        """
+        self._require_bound()
+        s = self.state_structs
+        return tree_bytes((s.params, s.opt_state.inner_opt_state))
+
     def final_ledger(self, size: int, chunk: int = 1) -> Ledger:
         """Everything live while `final` runs: ``ledger``'s parts, with the new state."""
         if (size, chunk) not in self._final_ledgers:

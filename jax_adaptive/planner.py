@@ -330,11 +330,7 @@ class Planner:
         chunk = chunk_length(steps, most)
         while chunk > 1:
             # The whole update in one program: the one with the optimizer step, if it fits.
-            whole = (
-                chunk == steps
-                and self._fusable
-                and _fits(lambda: self.executables.final_ledger(size, steps), capacity)
-            )
+            whole = chunk == steps and self._may_fuse(size, steps, capacity)
             if whole or _fits(lambda c=chunk: self.ledger(size, c), capacity):
                 break
             chunk = chunk_length(steps, chunk - 1)
@@ -354,20 +350,26 @@ class Planner:
         if self._fused is None:
             steps = math.ceil(self.target_batch_size / self.size)
             last = self.chunk if steps % self.chunk == 0 else 1
-            ledger = lambda: self.executables.final_ledger(self.size, last)  # noqa: E731
-            self._fused = self._fusable and _fits(ledger, self.sizes.guide_capacity())
+            self._fused = self._may_fuse(self.size, last, self.sizes.guide_capacity())
             self._final = (last, self.executables.final(self.size, last)) if self._fused else None
         return self._final
 
-    @property
-    def _fusable(self) -> bool:
-        """Whether the optimizer step may join the last micro-steps: with one process only.
+    def _may_fuse(self, size: int, chunk: int, capacity: int | None) -> bool:
+        """Whether ``chunk`` micro-steps of ``size`` and the optimizer step fit one program.
 
-        With several, micro-steps hold no collective so that one that runs out of memory
-        leaves no other waiting (`jax_adaptive.update.Updater`): the optimizer step's
-        reduction keeps a program of its own.
+        Only with one process: with several, micro-steps hold no collective so that one
+        that runs out of memory leaves no other waiting (`jax_adaptive.update.Updater`),
+        and the optimizer step's reduction keeps a program of its own. The program is
+        compiled only when the micro-step's ledger and the new state, a lower bound of
+        its own, fit.
         """
-        return jax.process_count() == 1
+        if jax.process_count() > 1:
+            return False
+        if capacity is not None:
+            bound = self.ledger(size).total + self.executables.new_state_bytes()
+            if bound > capacity:
+                return False
+        return _fits(lambda: self.executables.final_ledger(size, chunk), capacity)
 
     def unchunk(self) -> None:
         """After a program of several micro-steps, or the optimizer step's, ran out of memory.
