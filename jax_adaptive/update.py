@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -148,9 +149,7 @@ class Updater:
             self._ran.clear()
             self._optimizer_ran.clear()
         self.planner.start_update()
-        weights = (
-            np.ones(self.T, np.float32) if weights is None else np.asarray(weights, np.float32)
-        )
+        weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
         progress = self._fresh(state)
         failed = False
         while True:
@@ -250,6 +249,14 @@ class Updater:
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
         self.planner.ran()
         self._ran.add((size, chunk, final is not None))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _ones(T: int) -> np.ndarray:
+        """Weights of 1, read-only: programs read weights, never donate them."""
+        ones = np.ones(T, np.float32)
+        ones.flags.writeable = False
+        return ones
 
     def _rows(self, batch: tuple[Batch, np.ndarray], start: int, n: int) -> tuple[Batch, Any]:
         """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0."""
