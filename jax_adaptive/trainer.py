@@ -391,14 +391,19 @@ class AdaptiveTrainer:
         self._executables.bind(state, example_batch)
         self._planner.plan_for(state, T)
 
-    def compile(self, size: int) -> Any:
+    def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """Returns the compiled micro-step for micro-batches of ``size``, compiling once.
 
         Args:
             size: the micro-batch size, in ``[1, target_batch_size]``.
+            chunk: micro-steps in the program (`jax_adaptive.make_micro_step`'s arguments
+                with ``chunk * size`` examples; `ledger` gives its peak).
+            with_optimizer_step: the update's last program instead: those micro-steps,
+                then the optimizer step; it returns ``(params, opt_state, model_state,
+                means)``.
 
         Returns:
-            The ``jax.stages.Compiled`` micro-step.
+            The ``jax.stages.Compiled`` program.
 
         Example:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -408,7 +413,9 @@ class AdaptiveTrainer:
             >>> ja.estimate_peak_bytes(trainer.compile(3)) > 0
             True
         """
-        return self._executables.micro(size).compiled
+        if with_optimizer_step:
+            return self._executables.final(size, chunk).compiled
+        return self._executables.micro(size, chunk).compiled
 
     def ledger(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Ledger:
         """Everything live on the device while micro-steps of ``size`` run, by part.

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
@@ -166,6 +167,25 @@ def test_an_out_of_memory_in_the_last_program_loses_nothing_and_runs_the_optimiz
     assert metrics["micro_batch_size"] == 4 and int(state.updates) == 3
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_the_compiled_last_program_is_one_full_batch_step():
+    """``compile(m, c, with_optimizer_step=True)`` called by hand, as its docs say."""
+    batch = batches_of(1, T)[0]
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    )
+    state = trainer.init(mlp_params(), batch)
+    program = trainer.compile(4, 3, with_optimizer_step=True)
+    opt = state.opt_state
+    params, opt_state, _, means = program(
+        state.params, opt._replace(acc_grads=None), opt.acc_grads, state.model_state,
+        {"loss": jnp.zeros(())}, batch, jnp.ones(T), state.rng, 0, 4, T,
+    )  # fmt: skip
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), [batch])
+    assert_trees_close(params, reference, 1e-5)
+    assert int(opt_state.gradient_step) == 1 and int(opt_state.mini_step) == 0
+    np.testing.assert_allclose(means["loss"], jnp.mean(mlp_loss(mlp_params(), batch, None)), 1e-5)
 
 
 @pytest.fixture(scope="module")
