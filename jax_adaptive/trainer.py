@@ -93,9 +93,11 @@ class AdaptiveTrainer:
             takes as many as the capacity leaves room for (a chunk's ledger adds its
             examples; a whole update at most), a positive int caps it (1: a dispatch
             per micro-step). An out-of-memory costs at most one chunk's micro-steps and
-            falls back to one per dispatch. Under a mesh each device scans its own
-            rows (no collective in a chunk) and every process runs the same chunk; a
-            loss with model state keeps one micro-step per dispatch there.
+            falls back to one per dispatch. The update's last program runs the
+            optimizer step too when its ledger fits (`Plan.fused`; with one process).
+            Under a mesh each device scans its own rows (no collective in a chunk) and
+            every process runs the same chunk; a loss with model state keeps one
+            micro-step per dispatch there.
         device: the device to train on (the first local device by default), without
             ``mesh``.
         mesh: a ``jax.sharding.Mesh`` (`jax_adaptive.data_mesh` makes one over all
