@@ -366,8 +366,8 @@ class Planner:
         if jax.process_count() > 1:
             return False
         if capacity is not None:
-            bound = self.ledger(size).total + self.executables.new_state_bytes()
-            if bound > capacity:
+            room = capacity - self.executables.new_state_bytes()
+            if not _fits(lambda: self.ledger(size), room):
                 return False
         return _fits(lambda: self.executables.final_ledger(size, chunk), capacity)
 
