@@ -230,8 +230,8 @@ class Executables:
         self._reports: dict[tuple[int, int], dict[str, int]] = {}
         self._optimizer: dict[bool, Executable] = {}
         self._finals: dict[tuple[int, int], Executable] = {}
-        self._final_ledgers: dict[tuple[int, int], Ledger] = {}  # kept when programs go
-        self._ledgers: dict[tuple[int, int], Ledger] = {}  # each update checks its sizes'
+        # per (size, chunk, with the optimizer step): kept when programs go
+        self._ledgers: dict[tuple[int, int, bool], Ledger] = {}
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------ binding a shape
@@ -362,16 +362,12 @@ class Executables:
         key = self._check_size(size), self._check_chunk(size, chunk)
         if key not in self._compiled:
             lowered = self.lower(*key)
-            start = time.perf_counter()
-            if self.fault_hook is not None:
-                self.fault_hook.before_compile(size)
-            compiled = lowered.compile()
+            executable = self._compile(lambda: lowered, size)
             del self._lowered[key]
             if chunk == 1:
                 self.compiles += 1
             else:
                 self.chunk_compiles += 1
-            executable = Executable(compiled, memory_report(compiled), time.perf_counter() - start)
             self._compiled[key] = executable
             self._reports[key] = executable.report
         return self._compiled[key]
@@ -390,19 +386,22 @@ class Executables:
         outputs that are not aliased to a donated input (the new model state) and its
         temporaries (a runtime may allocate them at dispatch).
         """
-        if (size, chunk) not in self._ledgers:
-            self._ledgers[size, chunk] = self._ledger_of(self.report(size, chunk), size, chunk)
-        return self._ledgers[size, chunk]
+        return self._ledger_of(size, chunk, final=False)
 
-    def _ledger_of(self, report: dict[str, int], size: int, chunk: int) -> Ledger:
+    def _ledger_of(self, size: int, chunk: int, final: bool) -> Ledger:
+        """`ledger` of ``micro(size, chunk)``, or of ``final(size, chunk)``: measured once."""
+        if (size, chunk, final) in self._ledgers:
+            return self._ledgers[size, chunk, final]
+        report = self.final(size, chunk).report if final else self.report(size, chunk)
         args = self.micro_structs(size, chunk)
         inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
         new_outputs = report["output"] - report["alias"]
-        return Ledger(
+        self._ledgers[size, chunk, final] = Ledger(
             state=self.state_bytes(),
             in_flight=self.in_flight * (inputs + new_outputs),
             program=self.in_flight * report["temp"] + report["code"],
         )
+        return self._ledgers[size, chunk, final]
 
     def example_bytes(self) -> int:
         """Bytes one example (and its weight) adds to a program's inputs."""
@@ -466,19 +465,13 @@ class Executables:
             s = self.state_structs
             k = jax.ShapeDtypeStruct((), jnp.int32)
             opt_state = s.opt_state._replace(acc_grads=self.acc_struct)
-            step = make_optimizer_step(self.optimizer, per_device=self.per_device)
-            start = time.perf_counter()
-            compiled = (
-                jax.jit(
-                    step,
-                    donate_argnames=("params", "opt_state") if donate else (),
-                    out_shardings=_shardings((s.params, s.opt_state, self.means_struct)),
-                )
-                .lower(s.params, opt_state, self.totals_struct, k, k)
-                .compile()
+            jitted = jax.jit(
+                make_optimizer_step(self.optimizer, per_device=self.per_device),
+                donate_argnames=("params", "opt_state") if donate else (),
+                out_shardings=_shardings((s.params, s.opt_state, self.means_struct)),
             )
-            self._optimizer[donate] = Executable(
-                compiled, memory_report(compiled), time.perf_counter() - start
+            self._optimizer[donate] = self._compile(
+                lambda: jitted.lower(s.params, opt_state, self.totals_struct, k, k)
             )
         return self._optimizer[donate]
 
@@ -498,19 +491,21 @@ class Executables:
                 make_optimizer_step(self.optimizer, per_device=self.per_device),
             )
             outs = _shardings((s.params, s.opt_state, s.model_state, self.means_struct))
-            start = time.perf_counter()
-            if self.fault_hook is not None:
-                self.fault_hook.before_compile(size)
-            compiled = (
-                jax.jit(program, donate_argnames=DONATED, out_shardings=outs)
-                .lower(*self.micro_structs(*key))
-                .compile()
-            )
+            jitted = jax.jit(program, donate_argnames=DONATED, out_shardings=outs)
+            self._finals[key] = self._compile(lambda: jitted.lower(*self.micro_structs(*key)), size)
             self.final_compiles += 1
-            self._finals[key] = Executable(
-                compiled, memory_report(compiled), time.perf_counter() - start
-            )
         return self._finals[key]
+
+    def _compile(self, lower: Any, size: int | None = None) -> Executable:
+        """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
+
+        With ``size``, the fault hook runs first (a compile for that size may fail).
+        """
+        start = time.perf_counter()
+        if size is not None and self.fault_hook is not None:
+            self.fault_hook.before_compile(size)
+        compiled = lower().compile()
+        return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
 
     def new_state_bytes(self) -> int:
         """Bytes an optimizer step writes beside the state it does not donate.
@@ -524,10 +519,7 @@ class Executables:
 
     def final_ledger(self, size: int, chunk: int = 1) -> Ledger:
         """Everything live while `final` runs: ``ledger``'s parts, with the new state."""
-        if (size, chunk) not in self._final_ledgers:
-            report = self.final(size, chunk).report
-            self._final_ledgers[size, chunk] = self._ledger_of(report, size, chunk)
-        return self._final_ledgers[size, chunk]
+        return self._ledger_of(size, chunk, final=True)
 
     def optimizer_step_ledger(self, donate: bool) -> Ledger:
         """Everything live while the optimizer step runs: the state, its new outputs, temps."""

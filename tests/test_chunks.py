@@ -102,24 +102,6 @@ def test_the_chunk_is_the_fewest_dispatches_the_limit_allows():
     assert_trees_close(state.params, reference, 1e-5)
 
 
-def test_an_out_of_memory_in_a_chunk_costs_the_chunk_and_runs_one_micro_step_per_dispatch():
-    batches = batches_of(3, T)
-    trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=2
-    )
-    state = trainer.init(mlp_params(), batches[0])
-    assert trainer.plan_info.chunk is None  # decided at the first update
-    state, _ = trainer.step(state, batches[0])
-    assert trainer.plan_info.chunk == 6  # the whole update in one dispatch
-    with inject_oom(trainer, executions={1}) as faults:  # the second update's chunk
-        for batch in batches[1:]:
-            state, metrics = trainer.step(state, batch)
-    assert faults.injected == [(1, 2)]
-    assert trainer.plan_info.chunk == 1 and metrics["micro_batch_size"] == 2
-    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
-    assert_trees_close(state.params, reference, 1e-5)
-
-
 def test_the_last_program_runs_the_optimizer_step_when_its_ledger_fits():
     """Brute force over the limit: the chunk's ledger, the last program's (the chunk and
     the optimizer step), and the bytes of the new state the latter holds beside the old."""
@@ -152,41 +134,37 @@ def test_the_last_program_runs_the_optimizer_step_when_its_ledger_fits():
         assert_trees_close(state.params, reference, 1e-5)
 
 
-def test_an_out_of_memory_in_the_last_program_loses_nothing_and_runs_the_optimizer_apart():
-    batches = batches_of(3, T)
-    trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
-    )
-    state = train(trainer, batches[:1])[0]
-    assert trainer.plan_info.fused and trainer.plan_info.chunk == 3
-    with inject_oom(trainer, executions={1}) as faults:  # deletes what it donates
+@pytest.mark.parametrize(
+    ("kwargs", "fault", "chunk"),
+    [
+        # the whole update in one program (6 x 2, or 3 x 4), fused: its first dispatch
+        ({"micro_batch_size": 2}, 1, 6),
+        ({"micro_batch_size": 4}, 1, 3),
+        # six single micro-steps, two dispatched ahead: the last, fused one fails while
+        # the micro-step before it may still run (at a fixed size an out-of-memory in a
+        # plain micro-step propagates, as documented)
+        ({"micro_batch_size": 2, "chunk": 1, "in_flight": 2}, 6, 1),
+    ],
+)
+def test_an_out_of_memory_in_the_last_program_loses_nothing_and_runs_one_micro_step_apart(
+    kwargs, fault, chunk
+):
+    """The second update (which keeps no host copies) fails in its last program, the one
+    with the optimizer step in it: nothing is lost, and from then on one micro-step per
+    dispatch and the optimizer step apart."""
+    batches, m = batches_of(3, T), kwargs["micro_batch_size"]
+    trainer = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=T, **kwargs)
+    state = trainer.init(mlp_params(), batches[0])
+    assert trainer.plan_info.chunk is None  # decided at the first update
+    state, _ = trainer.step(state, batches[0])
+    assert trainer.plan_info.fused and trainer.plan_info.chunk == chunk
+    with inject_oom(trainer, executions={fault}) as faults:  # deletes what it donates
         for batch in batches[1:]:
             state, metrics = trainer.step(state, batch)
-    assert faults.injected == [(1, 4)]
+    assert faults.injected == [(fault, m)]
     assert trainer.plan_info.fused is False and trainer.plan_info.chunk == 1
-    assert metrics["micro_batch_size"] == 4 and int(state.updates) == 3
-    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
-    assert_trees_close(state.params, reference, 1e-5)
-
-
-def test_two_programs_in_flight_and_the_last_with_the_optimizer_step_stay_exact():
-    """Six single micro-steps, two dispatched ahead, the last one fused; an out-of-memory
-    in that last program of the second update (which keeps no host copies), while the
-    micro-step before it may still run, loses nothing. (At a fixed size an out-of-memory
-    in a plain micro-step propagates, as documented.)"""
-    fault = 6
-    batches = batches_of(3, T)
-    trainer = ja.AdaptiveTrainer(
-        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=2, chunk=1,
-        in_flight=2,
-    )  # fmt: skip
-    state = train(trainer, batches[:1])[0]
-    assert trainer.plan_info.fused and trainer.plan_info.chunk == 1
-    with inject_oom(trainer, executions={fault}) as faults:
-        for batch in batches[1:]:
-            state, metrics = trainer.step(state, batch)
-    assert faults.injected == [(fault, 2)]
-    assert metrics["accumulation_steps"] == 6 and int(state.updates) == 3
+    assert metrics["micro_batch_size"] == m and metrics["accumulation_steps"] == T // m
+    assert int(state.updates) == 3
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
 
