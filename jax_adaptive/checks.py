@@ -253,8 +253,7 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
     """
     (leaves, got), (specs, want) = jax.tree.flatten(batch), jax.tree.flatten(example)
-    shapes = [np.shape(x) for x in leaves]
-    size = T if shapes and all(shape[:1] == (T,) for shape in shapes) else leading_size(batch)
+    size = leading_size(batch)
     if size != T:
         rule = (
             f"each step takes exactly target_batch_size={T} examples."
@@ -265,13 +264,15 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         raise ValueError(f"the batch has leading size {size}, but {rule}")
     if got != want:
         raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
-    for i, (x, shape, spec) in enumerate(zip(leaves, shapes, specs, strict=True)):
-        if shape[1:] == spec.shape and getattr(x, "dtype", None) == spec.dtype:
-            continue  # the common case, without canonicalizing
-        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
-        if shape[1:] == spec.shape and have == need:
+    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+        shape = np.shape(x)
+        if shape[1:] == spec.shape and (  # the dtype compared before canonicalizing it
+            getattr(x, "dtype", None) == spec.dtype
+            or _dtype(x) == jax.dtypes.canonicalize_dtype(spec.dtype)
+        ):
             continue
         where = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
+        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
         if shape[1:] != spec.shape:
             raise ValueError(
                 f"the batch leaf {where} has per-example shape {shape[1:]}, but "

@@ -140,6 +140,11 @@ def all_examples(source: Source) -> dict[str, np.ndarray]:
     rows = [source[i] for i in range(len(source))]
     if not rows:
         raise ValueError("the held-out split has no examples.")
+    return _stack(rows)
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Examples (dicts of arrays) as one batch: each field stacked on a leading axis."""
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
@@ -186,4 +191,4 @@ class ShuffledBatches:
         for i in range(self.position, self.position + self.batch_size):
             rows.append(self.source[int(self._order(i // n)[i % n])])
         self.position += self.batch_size
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return _stack(rows)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -39,12 +38,11 @@ import numpy as np
 
 from jax_adaptive.checks import positive_int
 from jax_adaptive.data import MicroBatch, leading_size, micro_batches
-from jax_adaptive.executables import Executable, FaultHook, example_structs
+from jax_adaptive.executables import Executable, FaultHook, compile_measured, example_structs
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
     device_capacity,
-    memory_report,
     others_bytes,
     tree_bytes,
     usable_capacity,
@@ -160,7 +158,6 @@ class _Binding:
         self.key, self.params, self.example = key, params, example
         self.resident_bytes = resident_bytes
         self.programs: dict[int, Executable] = {}
-        self.reports: dict[int, dict[str, int]] = {}
         self.ledgers: dict[int, Ledger] = {}
         self.plans: dict[int, int] = {}  # the largest size that fits, per upper bound
         self.memory_model = MemoryModel()
@@ -414,14 +411,8 @@ class Evaluator:
         bound = self._bound
         if size not in bound.programs:
             lowered = jax.jit(self._function).lower(*self._structs(size))
-            start = time.perf_counter()
-            if self.fault_hook is not None:
-                self.fault_hook.before_compile(size)
-            compiled = lowered.compile()
+            bound.programs[size] = compile_measured(lambda: lowered, self.fault_hook, size)
             self.compiles += 1
-            executable = Executable(compiled, memory_report(compiled), time.perf_counter() - start)
-            bound.programs[size] = executable
-            bound.reports[size] = executable.report
         return bound.programs[size]
 
     def ledger(self, size: int) -> Ledger:
@@ -443,9 +434,7 @@ class Evaluator:
             raise RuntimeError("run evaluate or predict on a dataset first.")
         bound = self._bound
         if size not in bound.ledgers:  # each batch checks its size: measure it once
-            if size not in bound.reports:
-                self._program(size)
-            report = bound.reports[size]
+            report = self._program(size).report
             _, batch, mask = self._structs(size)
             bound.ledgers[size] = Ledger(
                 state=bound.resident_bytes,
@@ -483,7 +472,7 @@ class Evaluator:
         return largest
 
     def _take_size(self, size: int) -> int:
-        """Runs batches of ``size`` from now on; frees other sizes' programs (not their reports)."""
+        """Runs batches of ``size`` from now on; frees other sizes' programs (not their ledgers)."""
         programs = self._bound.programs
         for other in [s for s in programs if s != size]:
             del programs[other]

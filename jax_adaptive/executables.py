@@ -27,7 +27,7 @@ import functools
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -49,7 +49,7 @@ from jax_adaptive.step import (
     with_optimizer_step,
 )
 
-__all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs"]
+__all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs", "compile_measured"]
 
 
 class MicroArgs(NamedTuple):
@@ -94,6 +94,27 @@ class Executable(NamedTuple):
         """`jax_adaptive.estimate_peak_bytes` of the program alone."""
         r = self.report
         return r["argument"] + r["output"] - r["alias"] + r["temp"] + r["code"]
+
+
+def compile_measured(
+    lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
+) -> Executable:
+    """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
+
+    ``fault_hook.before_compile(size)`` runs first when a hook is given (the compile of
+    that size may be made to fail). The time counts the lowering ``lower`` does.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> program = compile_measured(lambda: jax.jit(jnp.sin).lower(jnp.ones(4)))
+        >>> program.report["output"] >= 16 and program.seconds > 0
+        True
+    """
+    start = time.perf_counter()
+    if fault_hook is not None:
+        fault_hook.before_compile(size)
+    compiled = lower().compile()
+    return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -497,15 +518,8 @@ class Executables:
         return self._finals[key]
 
     def _compile(self, lower: Any, size: int | None = None) -> Executable:
-        """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
-
-        With ``size``, the fault hook runs first (a compile for that size may fail).
-        """
-        start = time.perf_counter()
-        if size is not None and self.fault_hook is not None:
-            self.fault_hook.before_compile(size)
-        compiled = lower().compile()
-        return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
+        """`compile_measured` with this object's fault hook (for a ``size``'s compile)."""
+        return compile_measured(lower, None if size is None else self.fault_hook, size)
 
     def new_state_bytes(self) -> int:
         """Bytes an optimizer step writes beside the state it does not donate.

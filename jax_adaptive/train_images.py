@@ -228,6 +228,11 @@ def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
     return _zoo_model(config, num_classes)
 
 
+def _multiple(config: TrainConfig, model: ImageModel) -> int:
+    """What every micro-batch size is a multiple of: ``--multiple-of`` and the ghost batch."""
+    return math.lcm(config.multiple_of or 1, model.ghost or 1)
+
+
 def _image_trainer(
     config: TrainConfig, model: ImageModel, memory_limit: int | None
 ) -> AdaptiveTrainer:
@@ -237,7 +242,7 @@ def _image_trainer(
         target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size,
         memory_limit=memory_limit,
-        multiple_of=math.lcm(config.multiple_of or 1, model.ghost or 1),
+        multiple_of=_multiple(config, model),
         has_aux=True,
         has_state=bool(model.mutable),
         objective=config.objective,
@@ -277,7 +282,7 @@ def _simulated_limit(config: TrainConfig, model: ImageModel, params: Any, state:
         has_aux=True, has_state=bool(model.mutable), plan_cache=False,
     )  # fmt: skip
     probe.init(params, example, model_state=state)
-    small = probe.ledger(min(T, math.lcm(config.multiple_of or 1, model.ghost or 1)))
+    small = probe.ledger(min(T, _multiple(config, model)))
     whole = probe.ledger(T).total
     limit = max(small.total + (whole - small.total) // SIMULATED_SHARE, small.total + small.state)
     return limit, probe.compiles, time.perf_counter() - start
