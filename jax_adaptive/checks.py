@@ -234,6 +234,22 @@ def _dtype(x: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+def _takes_all(leaves: list, got: Any, specs: list, want: Any, T: int) -> bool:
+    """Whether the batch's leaves are ``T`` examples of exactly the specs' shapes and dtypes."""
+    if got != want:
+        return False
+    for x, spec in zip(leaves, specs, strict=True):  # a loop: this runs at every step
+        shape = getattr(x, "shape", None)
+        if (
+            shape is None
+            or shape[:1] != (T,)
+            or shape[1:] != spec.shape
+            or getattr(x, "dtype", None) != spec.dtype
+        ):
+            return False
+    return True
+
+
 def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | None = None) -> None:
     """Raises a one-line error for a batch (or weights) the compiled programs would not take.
 
@@ -253,6 +269,8 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
     """
     (leaves, got), (specs, want) = jax.tree.flatten(batch), jax.tree.flatten(example)
+    if _takes_all(leaves, got, specs, want, T) and (weights is None or np.shape(weights) == (T,)):
+        return  # what every step of a training loop passes: no more to check
     size = leading_size(batch)
     if size != T:
         rule = (
@@ -306,9 +324,10 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
             return jax.device_put(x, device)
         return x
 
-    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
-        return batch  # host arrays: nothing to move
-    return jax.tree.map(move, batch)
+    for x in jax.tree.leaves(batch):  # a loop: this runs at every step
+        if isinstance(x, jax.Array):
+            return jax.tree.map(move, batch)
+    return batch  # host arrays: nothing to move
 
 
 def check_buckets(buckets: Any) -> tuple[Any, ...]:

@@ -93,13 +93,26 @@ class _Progress:
 
 
 def _is_deleted(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+    for leaf in jax.tree.leaves(tree):  # a loop: this runs at every update
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            return True
+    return False
 
 
 def _ready(out: tuple) -> tuple:
     """``out`` once the program that made it finished: its outputs finish together."""
     jax.block_until_ready(out[-1])
     return out
+
+
+_ZERO = np.int32(0)
+
+
+def _read_only_zeros(struct: Any) -> np.ndarray:
+    """Host zeros of ``struct`` that nothing can write: every update starts from them."""
+    zeros = np.zeros(struct.shape, struct.dtype)
+    zeros.flags.writeable = False
+    return zeros
 
 
 def _release(tree: Any) -> None:
@@ -130,7 +143,8 @@ class Updater:
         self.host_bytes = 0
         self._ran: set[tuple[int, int, bool]] = set()  # (size, chunk, fused) that completed one
         self._optimizer_ran: set[bool] = set()
-        self._generation = 0  # the executables' binding the sets above are about
+        self._generation = -1  # the executables' binding the fields above are about
+        self._zero_totals: Any = None  # read-only host zeros: each call transfers a copy
 
     @property
     def T(self) -> int:
@@ -148,6 +162,7 @@ class Updater:
             self._generation = self.executables.generation
             self._ran.clear()
             self._optimizer_ran.clear()
+            self._zero_totals = jax.tree.map(_read_only_zeros, self.executables.totals_struct)
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
         progress = self._fresh(state)
@@ -155,7 +170,11 @@ class Updater:
         while True:
             size = self.planner.size
             try:
-                self._accumulate(state, (batch, weights), size, progress, cautious=failed)
+                program = None if failed else self._whole_update_program(size)
+                if program is not None:
+                    self._run_whole(program, state, (batch, weights), size, progress)
+                else:
+                    self._accumulate(state, (batch, weights), size, progress, cautious=failed)
                 break
             except Exception as exc:
                 if not is_oom(exc):
@@ -188,8 +207,43 @@ class Updater:
         elif _is_deleted(acc):  # donated to a micro-step that failed
             acc = zeros(ex.acc_struct)
         # Host zeros: the program's call transfers them, no dispatch of their own.
-        totals = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), ex.totals_struct)
-        return _Progress(acc, state.opt_state.mini_step, state.model_state, totals)
+        return _Progress(acc, state.opt_state.mini_step, state.model_state, self._zero_totals)
+
+    def _whole_update_program(self, size: int) -> Any:
+        """The update's only program, if one runs it all and ran before here; else None.
+
+        One program holds every micro-step and the optimizer step (`Planner.final`),
+        it completed an update before, and one process on one device runs it. Such an
+        update needs none of `_accumulate`'s bookkeeping (nothing to save, no program to
+        wait for before the next): `_run_whole` calls it straight away.
+        """
+        final = self.planner.final
+        if (
+            final is None
+            or final[0] * size < self.T
+            or (size, self.planner.chunk, True) not in self._ran
+            or self.placement.data is not None
+            or jax.process_count() > 1
+        ):
+            return None
+        return final[1].compiled
+
+    def _run_whole(self, program: Any, state, batch, size: int, p: _Progress) -> None:
+        """Runs the update's only program (`_whole_update_program`): its results in ``p.done``."""
+        steps = math.ceil(self.T / size)
+        examples, weights = self._rows(batch, 0, steps * size)  # the last one's padding too
+        args = MicroArgs(
+            state.params, state.opt_state._replace(acc_grads=None, mini_step=p.mini_step),
+            p.acc, p.model_state, p.totals, examples, weights, state.rng,
+            _ZERO, np.int32(steps + 1), np.int32(self.T),
+        )  # fmt: skip
+        p.finishing = True  # its failure is the last program's: the fusion goes first
+        hook = self.executables.fault_hook
+        if hook is not None:
+            hook.before_execution(size, args)
+        p.done = _ready(program(*args))
+        p.finishing, p.offset, p.steps = False, self.T, steps
+        self.planner.ran()
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
@@ -204,22 +258,21 @@ class Updater:
         first run also wait for each program before the next runs and keep a host copy
         of its result, so a failure costs one program's micro-steps, not the update.
         """
-        chunk, final = self.planner.chunk, self.planner.final
+        chunk, final, T = self.planner.chunk, self.planner.final, self.T
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         cautious = cautious or (size, chunk, final is not None) not in self._ran
-        remaining = math.ceil((self.T - p.offset) / size)
+        remaining = math.ceil((T - p.offset) / size)
         k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
         running: collections.deque = collections.deque()  # each program's mini_step
-        opt = state.opt_state._replace(acc_grads=None)
-        while p.offset < self.T:
+        while p.offset < T:
             while len(running) >= self.in_flight:
                 jax.block_until_ready(running.popleft())
             if cautious and p.steps:  # the previous program must fail inside the try
                 agreed(lambda: self._save(p), size)
                 self.planner.ran()
-            steps = chunk if math.ceil((self.T - p.offset) / size) >= chunk else 1
-            end = min(p.offset + steps * size, self.T)
-            last = final is not None and end == self.T and steps == final[0]
+            steps = chunk if math.ceil((T - p.offset) / size) >= chunk else 1
+            end = min(p.offset + steps * size, T)
+            last = final is not None and end == T and steps == final[0]
             if last:
                 program = final[1].compiled
             elif steps in programs:
@@ -231,8 +284,9 @@ class Updater:
                 (examples, weights), split=steps if self.executables.per_device else 1
             )
             args = MicroArgs(
-                state.params, opt._replace(mini_step=p.mini_step), p.acc, p.model_state,
-                p.totals, examples, weights, state.rng, np.int32(p.offset), k, np.int32(self.T),
+                state.params, state.opt_state._replace(acc_grads=None, mini_step=p.mini_step),
+                p.acc, p.model_state,
+                p.totals, examples, weights, state.rng, np.int32(p.offset), k, np.int32(T),
             )  # fmt: skip
             p.finishing = last  # a late failure of the last program must surface as its own
             out = self._execute(program, args, size)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -230,3 +231,18 @@ def test_a_batch_on_another_device_is_placed_not_refused():
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["placed", "True"]
+
+
+def test_a_float64_numpy_batch_is_taken_as_jax_takes_it_at_every_step():
+    """NumPy's default float64, with JAX's x64 off: cast to float32, not refused, each step."""
+    t = trainer(micro_batch_size=3)
+    state = t.init(jnp.zeros(3), batch_of())
+    wide = {"x": np.arange(T * 3, dtype=np.float64).reshape(T, 3) / 10, "y": np.ones(T)}
+    narrow = {k: v.astype(np.float32) for k, v in wide.items()}
+    grad = jax.grad(lambda p: jnp.mean(loss(p, narrow, None)))
+    params = jnp.zeros(3)
+    for _ in range(3):  # the first update, then the steady ones
+        state, _ = t.step(state, wide)
+        params = params - 0.1 * grad(params)
+    np.testing.assert_allclose(state.params, params, rtol=1e-5)
+    assert state.params.dtype == jnp.float32
