@@ -234,7 +234,7 @@ class AdaptiveTrainer:
     def micro_batch_size(self) -> int:
         """The micro-batch size in use (for the next update's target batch size)."""
         self._require_init()
-        self._planner.set_target(self.target_batch_size)
+        self._sync_target()
         return self._planner.size
 
     @property
@@ -248,8 +248,7 @@ class AdaptiveTrainer:
 
         With a batch-size schedule, the plan of the next update's target batch size.
         """
-        if self._planner.size is not None:
-            self._planner.set_target(self.target_batch_size)
+        self._sync_target()
         return self._planner.plan
 
     @property
@@ -415,6 +414,7 @@ class AdaptiveTrainer:
             >>> ja.estimate_peak_bytes(trainer.compile(3)) > 0
             True
         """
+        self._sync_target()
         if with_optimizer_step:
             return self._executables.final(size, chunk).compiled
         return self._executables.micro(size, chunk).compiled
@@ -437,6 +437,7 @@ class AdaptiveTrainer:
             >>> ledger.total == ledger.state + ledger.in_flight + ledger.program
             True
         """
+        self._sync_target()
         if with_optimizer_step:
             return self._executables.final_ledger(size, chunk)
         return self._planner.ledger(size, chunk)
@@ -722,6 +723,11 @@ class AdaptiveTrainer:
                 "of the mesh: every device needs an example."
             )
         return T
+
+    def _sync_target(self) -> None:
+        """Plans for the next update's target batch size, which a schedule moves."""
+        if self._planner.size is not None:
+            self._planner.set_target(self.target_batch_size)
 
     def _require_init(self) -> None:
         if self._planner.size is None:

@@ -115,6 +115,21 @@ def test_an_out_of_memory_after_the_batch_grew_loses_nothing():
     )
 
 
+def test_compile_and_ledger_take_sizes_up_to_the_next_update_s_target():
+    """Once the schedule has moved the target (8 -> 20), sizes up to 20 are the trainer's.
+
+    The reference is a trainer made for 20 from the start.
+    """
+    batches = batches_of(SIZES[:2])
+    trainer = ja.AdaptiveTrainer(mlp_loss, OPT, target_batch_size=STEPS, plan_cache=False)
+    train(trainer, batches)  # two updates of 8: the next takes 20
+    fresh = ja.AdaptiveTrainer(mlp_loss, OPT, target_batch_size=20, plan_cache=False)
+    fresh.init(mlp_params(), batches[0])
+    assert trainer.ledger(20) == fresh.ledger(20)  # checked against 20, not against 8
+    assert trainer.ledger(10, 2) == fresh.ledger(10, 2)
+    assert ja.estimate_peak_bytes(trainer.compile(20)) == ja.estimate_peak_bytes(fresh.compile(20))
+
+
 def test_fit_draws_each_update_s_size_from_a_stream_of_any_chunks():
     sizes = SIZES
     batches = batches_of(sizes, seed=3)
