@@ -47,6 +47,14 @@ def flip_bytes(step_dir, count=64):
     largest.write_bytes(bytes(data))
 
 
+# Reading flipped bytes fails inside orbax's asyncio reader, whose thread may then call
+# back into its loop after the loop closed: Python reports that "Exception ignored"
+# after the test, whatever the library does. The tests assert what happens to the run.
+ORBAX_LATE_CALLBACK = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning"
+)
+
+
 def assert_restored(ckpt, update):
     restored, position = ckpt.restore(state_at(0))
     assert position == PER_UPDATE * update
@@ -62,7 +70,9 @@ def test_an_intact_checkpoint_restores_its_state_without_a_warning(tmp_path):
 @pytest.mark.parametrize(
     "damage",
     [
-        pytest.param(lambda step: flip_bytes(step), id="64 bytes flipped"),
+        pytest.param(
+            lambda step: flip_bytes(step), id="64 bytes flipped", marks=ORBAX_LATE_CALLBACK
+        ),
         pytest.param(lambda step: shutil.rmtree(step / "state"), id="state missing"),
         pytest.param(lambda step: (shutil.rmtree(step), step.mkdir()), id="empty directory"),
         pytest.param(lambda step: (step / "meta" / "metadata").write_text("{"), id="bad metadata"),
@@ -89,6 +99,7 @@ def test_a_data_position_that_is_not_the_updates_is_refused(tmp_path):
     ckpt.close()
 
 
+@ORBAX_LATE_CALLBACK
 def test_when_no_checkpoint_is_intact_resuming_is_refused(tmp_path):
     ckpt = saved(tmp_path, updates=(2,))
     flip_bytes(tmp_path / "ckpt" / "2")
@@ -102,6 +113,7 @@ def _final_params(workdir, update):
     return restored["state"]["params"]
 
 
+@ORBAX_LATE_CALLBACK
 def test_resume_from_a_damaged_checkpoint_ends_as_an_uninterrupted_run(tmp_path, capsys):
     flags = ["--model", "mlp", "--target-batch-size", "8", "--checkpoint-every", "2"]
     flags += ["--no-progress", "--no-plan-cache"]
