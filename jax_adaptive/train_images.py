@@ -126,28 +126,6 @@ def _zoo_model(config: TrainConfig, num_classes: int) -> ImageModel:
     return ImageModel(module, mutable, loss_fn, _metric_fn(eval_loss, bool(mutable)), {}, ghost)
 
 
-def _user_loss(
-    module: nn.Module, loss: Callable[..., Any], mutable: tuple[str, ...], train: bool
-) -> Callable[..., Any]:
-    """The trainer's loss of a user's model: ``loss(logits, labels)`` and accuracy as aux."""
-    takes_train = "train" in inspect.signature(type(module).__call__).parameters
-    updates = bool(mutable) and train
-
-    def losses(params: Any, model_state: Any, batch: Any, rng: jax.Array) -> Any:
-        out = module.apply(
-            {"params": params, **model_state}, batch["image"], rngs={"dropout": rng},
-            mutable=list(mutable) if updates else False,
-            **({"train": train} if takes_train else {}),
-        )  # fmt: skip
-        logits, new_state = out if updates else (out, model_state)
-        hits = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-        return (loss(logits, batch["label"]), {"accuracy": hits}), dict(new_state)
-
-    if mutable:
-        return losses
-    return lambda params, batch, rng: losses(params, {}, batch, rng)[0]
-
-
 def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
     """The model of ``--model package.module:factory``, checked on ``example`` (one-line errors)."""
     spec = config.model
@@ -162,11 +140,13 @@ def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
     takes_train = "train" in inspect.signature(type(module).__call__).parameters
     init_kwargs = {"train": False} if takes_train else {}
     images = jnp.asarray(example["image"][:1])
-    variables = _guarded(
-        spec, "model.init", lambda: module.init(jax.random.key(0), images, **init_kwargs)
+    variables = _guarded(  # shapes only: `_start` initialises the model it trains
+        spec,
+        "model.init",
+        lambda: jax.eval_shape(lambda: module.init(jax.random.key(0), images, **init_kwargs)),
     )
     mutable = tuple(name for name in variables if name != "params")
-    loss_fn = _user_loss(module, loss, mutable, train=True)
+    loss_fn = models.linen_classifier_loss(module, mutable=mutable, loss=loss)
     two = {k: jnp.concatenate([jnp.asarray(v[:1])] * 2) for k, v in example.items()}
     state = {k: v for k, v in variables.items() if k != "params"}
     key = jax.random.key(0)
@@ -178,7 +158,8 @@ def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
             f"--model {spec!r}: the loss must return one value per example, shape (2,) for "
             f"2 examples; it returned shape {np.shape(losses)} (drop its mean)."
         )
-    metric_fn = _metric_fn(_user_loss(module, loss, mutable, train=False), bool(mutable))
+    eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False, loss=loss)
+    metric_fn = _metric_fn(eval_loss, bool(mutable))
     return ImageModel(module, mutable, loss_fn, metric_fn, init_kwargs)
 
 

@@ -312,3 +312,38 @@ def test_the_nnx_trainer_updates_the_module_in_place():
         assert min(jax.tree.leaves(moved)) > 1e-5, kind
     model.eval()  # and the module serves as itself
     assert model(batches[0]["image"]).shape == (T, 10)
+
+
+# ------------------------------------------------- linen, as the Flax MNIST example
+
+
+def smoothed_cross_entropy(logits, labels):
+    """The user's own per-example loss: cross-entropy against smoothed labels."""
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), 0.2)
+    return -jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1)
+
+
+def test_a_model_without_train_and_a_loss_of_its_own_train_exactly():
+    """The MNIST example's CNN has no ``train`` argument: it is called without one."""
+    from user_model import CNN
+
+    model, T = CNN(num_classes=3), 8
+    batches = image_batches(2, T)
+    params = model.init(KEY, batches[0]["image"][:1])["params"]
+    loss_fn = linen_classifier_loss(model, loss=smoothed_cross_entropy)
+    losses, aux = loss_fn(params, batches[0], KEY)
+    logits = model.apply({"params": params}, batches[0]["image"])
+    np.testing.assert_allclose(losses, smoothed_cross_entropy(logits, batches[0]["label"]))
+    np.testing.assert_array_equal(aux["accuracy"], logits.argmax(-1) == batches[0]["label"])
+    assert not np.allclose(losses, cross_entropy(logits, batches[0]["label"]))
+    trainer = ja.AdaptiveTrainer(
+        loss_fn, SGD, target_batch_size=T, micro_batch_size=3, has_aux=True, plan_cache=False
+    )
+    state = trainer.init(params, batches[0])
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    reference = full_batch_reference(
+        lambda p, b, r: smoothed_cross_entropy(model.apply({"params": p}, b["image"]), b["label"]),
+        SGD, params, batches,
+    )  # fmt: skip
+    assert_trees_close(state.params, reference, 1e-5)

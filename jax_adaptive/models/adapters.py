@@ -21,11 +21,25 @@ from jax_adaptive.ghost import ghost_batches
 from jax_adaptive.step import Batch, TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
+Loss = Callable[[jax.Array, jax.Array], jax.Array]
+"""``loss(logits, labels) -> losses``, one per example."""
 
-def _classifier_losses(logits, labels):
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+def _classifier_losses(logits, labels, loss: Loss | None):
+    if loss is None:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    else:
+        losses = loss(logits, labels)
     accuracy = (logits.argmax(-1) == labels).astype(logits.dtype)
     return losses, {"accuracy": accuracy}
+
+
+def _takes(call: Callable[..., Any], name: str) -> bool:
+    """Whether ``call`` has a parameter named ``name``."""
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _with_ghost_batches(loss_fn, ghost_batch_size, stateful: bool, train: bool):
@@ -65,13 +79,16 @@ def linen_classifier_loss(
     call_kwargs: Mapping[str, Any] | None = None,
     image_key: str = "image",
     label_key: str = "label",
+    loss: Loss | None = None,
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a linen classifier, with accuracy as aux.
 
     The model is called as ``model.apply({"params": params, **model_state}, x,
-    train=train, rngs={"dropout": rng}, mutable=mutable, **call_kwargs)``. Use the loss
-    with ``has_aux=True``, and with ``has_state=True`` when ``mutable`` names
-    collections (Flax ``batch_stats``): it then takes and returns the model state.
+    train=train, rngs={"dropout": rng}, mutable=mutable, **call_kwargs)``, without
+    ``train`` when its ``__call__`` has no such parameter (as the Flax MNIST example's
+    CNN). Use the loss with ``has_aux=True``, and with ``has_state=True`` when
+    ``mutable`` names collections (Flax ``batch_stats``): it then takes and returns the
+    model state.
 
     BatchNorm, three ways:
 
@@ -98,6 +115,8 @@ def linen_classifier_loss(
         call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
+        loss: ``loss(logits, labels) -> losses``, one per example, instead of the
+            softmax cross-entropy (e.g. with label smoothing); accuracy stays the aux.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
@@ -119,6 +138,8 @@ def linen_classifier_loss(
         ((5,), (5,))
     """
     kwargs = dict(call_kwargs or {})
+    if _takes(type(model).__call__, "train"):
+        kwargs.setdefault("train", train)
     updates = bool(mutable) and train  # whether the model state changes
 
     def apply(params, model_state, batch, rng):
@@ -126,7 +147,6 @@ def linen_classifier_loss(
             return model.apply(
                 {"params": params, **model_state},
                 x,
-                train=train,
                 rngs={"dropout": rng},
                 mutable=list(mutable) if updates else False,
                 **kwargs,
@@ -134,10 +154,10 @@ def linen_classifier_loss(
 
         out = _bind_axis(call, axis_name)(batch[image_key])
         if not updates:
-            return _classifier_losses(out, batch[label_key]), model_state
+            return _classifier_losses(out, batch[label_key], loss), model_state
         logits, changed = out
         # every collection the state came with, so that its structure never changes
-        return _classifier_losses(logits, batch[label_key]), {**model_state, **changed}
+        return _classifier_losses(logits, batch[label_key], loss), {**model_state, **changed}
 
     if mutable:
         return _with_ghost_batches(apply, ghost_batch_size, True, train)
@@ -202,13 +222,6 @@ def gpt_token_loss(
     return loss_fn
 
 
-def _takes_rngs(model: nnx.Module) -> bool:
-    try:
-        return "rngs" in inspect.signature(model.__call__).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def nnx_classifier_loss(
     model: nnx.Module,
     *,
@@ -218,6 +231,7 @@ def nnx_classifier_loss(
     call_kwargs: Mapping[str, Any] | None = None,
     image_key: str = "image",
     label_key: str = "label",
+    loss: Loss | None = None,
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a Flax NNX classifier, with accuracy as aux.
 
@@ -257,6 +271,8 @@ def nnx_classifier_loss(
         call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
+        loss: ``loss(logits, labels) -> losses``, one per example, instead of the
+            softmax cross-entropy (e.g. with label smoothing); accuracy stays the aux.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
@@ -289,7 +305,7 @@ def nnx_classifier_loss(
     filters = (nnx.Param, ...) if mutable is None else (nnx.Param, mutable, ...)
     graphdef, *_, rest = nnx.split(copy, *filters)
     kwargs = dict(call_kwargs or {})
-    call_rngs = _takes_rngs(model) and "rngs" not in kwargs
+    call_rngs = _takes(model.__call__, "rngs") and "rngs" not in kwargs
 
     def run(params, model_state, batch, rng):
         module = nnx.merge(graphdef, params, *model_state, rest, copy=True)
@@ -299,7 +315,7 @@ def nnx_classifier_loss(
         nnx.reseed(module, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(tags)})
         extra = {"rngs": nnx.Rngs(rng)} if call_rngs else {}
         logits = module(batch[image_key], **kwargs, **extra)
-        return _classifier_losses(logits, batch[label_key]), module
+        return _classifier_losses(logits, batch[label_key], loss), module
 
     if mutable is not None:
 
