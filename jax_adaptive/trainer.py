@@ -365,6 +365,9 @@ class AdaptiveTrainer:
         between trainers of the same loss and optimizer that see other input shapes
         (`jax_adaptive.BucketedTrainer` does), with no second copy of the state, or to
         plan again for another example shape (the old shape's programs are dropped).
+        For the shapes already planned (a state restored from a checkpoint) the plan
+        holds, followed to the state's target batch size as `step` would: nothing is
+        searched or compiled again.
 
         Args:
             state: a `TrainState` placed as this trainer places one (its device, or
@@ -389,8 +392,10 @@ class AdaptiveTrainer:
         leading_size(example_batch, "example_batch")
         self._next_update = self._updates_of(state)
         T = self._checked_target(self._next_update)
-        self._executables.bind(state, example_batch)
-        self._planner.plan_for(state, T)
+        if self._executables.bind(state, example_batch) or self._planner.size is None:
+            self._planner.plan_for(state, T)
+        else:  # the shapes it is planned for: the plan holds, for the state's target
+            self._planner.set_target(T)
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """Returns the compiled micro-step for micro-batches of ``size``, compiling once.

@@ -438,6 +438,27 @@ def test_planning_another_shape_searches_it_afresh(estimates):
     assert metrics["micro_batch_size"] == 6
 
 
+def test_planning_the_same_shapes_again_keeps_the_plan_and_follows_the_schedule():
+    """A restored state (its shapes already planned) costs no search and no compile."""
+    example = {"x": np.ones((1, 3), np.float32)}
+    trainer = ja.AdaptiveTrainer(
+        lambda p, b, r: b["x"] @ p, optax.sgd(0.1),
+        target_batch_size=[(0, 4), (2, 12)], memory_limit=None, plan_cache=False,
+    )  # fmt: skip
+    state = trainer.init(jnp.zeros(3), example)
+    for _ in range(2):
+        state, _ = trainer.step(state, {"x": np.ones((4, 3), np.float32)})
+    restored = jax.tree.map(jnp.copy, state)  # a checkpoint of update 2, read back
+    assert trainer.micro_batch_size == 12  # planned for update 2's target already
+    trials, traces = len(trainer.search_log), dict(trainer.trace_counts)
+    trainer.plan(restored, example)
+    assert len(trainer.search_log) == trials and dict(trainer.trace_counts) == traces
+    assert trainer.target_batch_size == 12  # the schedule's at update 2
+    restored, metrics = trainer.step(restored, {"x": np.ones((12, 3), np.float32)})
+    assert metrics["examples"] == 12
+    np.testing.assert_allclose(restored.params, -0.1 * 3 * np.ones(3))  # 3 updates of 1s
+
+
 def _squared_error(params, batch):
     """Per-example metrics for `AdaptiveTrainer.evaluate`: a float and an int count."""
     error = mlp_loss(params, batch, None)
