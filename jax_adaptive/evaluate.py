@@ -159,7 +159,8 @@ class _Binding:
         self.resident_bytes = resident_bytes
         self.programs: dict[int, Executable] = {}
         self.ledgers: dict[int, Ledger] = {}
-        self.plans: dict[int, int] = {}  # the largest size that fits, per upper bound
+        # the largest size that fits, per upper bound and memory_limit (a raise may grow it)
+        self.plans: dict[tuple[int, int | None], int] = {}
         self.memory_model = MemoryModel()
         self.fingerprint: str | None = None
 
@@ -462,8 +463,8 @@ class Evaluator:
     def _plan(self, hi: int) -> int:
         """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
         bound = self._bound
-        if hi in bound.plans:
-            return bound.plans[hi]
+        if (hi, self.memory_limit) in bound.plans:
+            return bound.plans[hi, self.memory_limit]
         self._others = others_bytes(self.device, bound.resident_bytes)
         largest = self._cached_plan(hi)
         if largest is None:
@@ -482,7 +483,7 @@ class Evaluator:
     def _use(self, hi: int, largest: int) -> None:
         """Keeps ``largest`` as the plan under ``hi``, here and in the plan cache."""
         bound = self._bound
-        bound.plans[hi] = largest
+        bound.plans[hi, self.memory_limit] = largest
         if self.plan_cache is not None:
             self.plan_cache.put(
                 self._key(hi),

@@ -190,13 +190,17 @@ def test_an_oom_while_predicting_loses_no_row(params, data, ledgers):
     np.testing.assert_allclose(predictions["prediction"], expected["prediction"], rtol=1e-6)
 
 
-def test_a_lower_limit_between_runs_is_a_simulated_oom_that_shrinks(params, data, ledgers):
+def test_a_limit_changed_between_runs_plans_the_largest_under_the_new_one(params, data, ledgers):
     ev = evaluator(memory_limit=ledgers[30].total)
     ev.evaluate(params, data)
     ev.memory_limit = ledgers[12].total  # another job took memory: the plan no longer fits
     metrics = ev.evaluate(params, data)
     failed = [t for t in ev.search_log if not t.fits and t.decided_by == "estimate"]
     assert failed and ev.largest == 12
+    assert_same_metrics(metrics, params, data)
+    ev.memory_limit = ledgers[36].total  # it gave the memory back: the batch grows again
+    metrics = ev.evaluate(params, data)
+    assert ev.largest == max(s for s, g in ledgers.items() if g.total <= ledgers[36].total)
     assert_same_metrics(metrics, params, data)
 
 
