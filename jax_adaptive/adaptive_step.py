@@ -410,9 +410,7 @@ class AdaptiveStep:
         )
 
     def _cached_plan(self) -> int | None:
-        if self.plan_cache is None:  # no key to compute (it lowers the step)
-            return None
-        return self.sizes.from_cache(self.plan_cache, self._key(), self.batch_size, "init")
+        return self.sizes.from_cache(self.plan_cache, self._key, self.batch_size, "init")
 
     # ------------------------------------------------------------ the guarded call
 

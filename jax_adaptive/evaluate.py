@@ -521,9 +521,7 @@ class Evaluator:
         )
 
     def _cached_plan(self, hi: int) -> int | None:
-        if self.plan_cache is None:  # no key to compute
-            return None
-        return self.sizes.from_cache(self.plan_cache, self._key(hi), hi, self._mode)
+        return self.sizes.from_cache(self.plan_cache, lambda: self._key(hi), hi, self._mode)
 
     def _search(self, hi: int, reason: str) -> int:
         """The largest size in ``[1, hi]`` whose ledger fits, multiples of ``multiple_of`` first."""

@@ -407,9 +407,7 @@ class Planner:
 
     def _cached_plan(self) -> int | None:
         """The size a run of the same job stored, if it makes sense; else None."""
-        if self.plan_cache is None:  # no key to compute (it lowers the micro-step)
-            return None
-        return self.sizes.from_cache(self.plan_cache, self.key(), self.target_batch_size, "init")
+        return self.sizes.from_cache(self.plan_cache, self.key, self.target_batch_size, "init")
 
     def _store_plan(self) -> None:
         if self.plan_cache is None or self.fixed is not None:

@@ -159,13 +159,19 @@ class SizeSearch:
             f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
         )
 
-    def from_cache(self, plan_cache: Any, key: str, bound: int, reason: str) -> int | None:
+    def from_cache(
+        self, plan_cache: Any, key: Callable[[], str], bound: int, reason: str
+    ) -> int | None:
         """The size a run of the same job stored in ``plan_cache`` (recorded), or None.
 
-        ``bound``: the largest size that makes sense (an entry above it is ignored).
+        ``key``: makes the job's key (it may lower the program: called only with a
+        cache). ``bound``: the largest size that makes sense (an entry above it is
+        ignored). None without a plan cache.
         """
+        if plan_cache is None:
+            return None
         start = time.perf_counter()
-        entry = plan_cache.plan(key, bound)
+        entry = plan_cache.plan(key(), bound)
         if entry is None:
             return None
         size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
