@@ -178,6 +178,7 @@ class AdaptiveTrainer:
             )
         self.schedule = BatchSchedule(target_batch_size)
         self._next_update = 0  # the update the next step makes (state.updates)
+        self._returned: tuple[Any, int] = (None, 0)  # (state.updates, its value) step returned
         self.optimizer = optimizer
         self.placement = Placement(checks.check_device(device), mesh, data_axis, param_sharding)
         T = self._checked_target(0)
@@ -518,6 +519,7 @@ class AdaptiveTrainer:
         self._planner.set_target(T)
         out = self._updater.run(state, batch, weights)
         self._next_update = updates + 1
+        self._returned = (out[0].updates, updates + 1)
         return out
 
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
@@ -714,6 +716,8 @@ class AdaptiveTrainer:
         if self.schedule.constant is not None:
             return 0
         updates = state.updates
+        if updates is self._returned[0]:  # the state step returned: no device read
+            return self._returned[1]
         if isinstance(updates, jax.Array) and not updates.is_fully_addressable:
             updates = updates.addressable_data(0)  # replicated: every process has it
         return int(jax.device_get(updates))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -239,3 +241,28 @@ def test_data_parallel_accumulation_follows_the_schedule_exactly():
         timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_scheduled_step_on_the_state_it_returned_reads_nothing_from_the_device(monkeypatch):
+    """The trainer knows the updates of the state it returned; any other state is read."""
+    reads = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or device_get(x))
+    sizes = [8, 8, 8, 8]
+    batches = batches_of(sizes, seed=4)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPT, target_batch_size=lambda u: 8, micro_batch_size=4, plan_cache=False
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    state, _ = trainer.step(state, batches[0])  # the first run of its program
+    reads.clear()
+    for batch in batches[1:3]:
+        state, _ = trainer.step(state, batch)
+    assert reads == []
+    copied = jax.tree.map(jnp.copy, state)  # as restored from a checkpoint: read once
+    state, _ = trainer.step(copied, batches[3])
+    assert len(reads) == 1
+    assert int(state.updates) == 4
+    assert_trees_close(
+        state.params, full_batch_reference(mlp_loss, OPT, mlp_params(), batches), 1e-5
+    )
