@@ -41,11 +41,11 @@ import jax
 import numpy as np
 
 from jax_adaptive.data import leading_size
+from jax_adaptive.executables import compile_measured
 from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
     device_capacity,
-    memory_report,
     others_bytes,
     tree_bytes,
     usable_capacity,
@@ -246,14 +246,11 @@ class AdaptiveStep:
         """The compiled step for ``size`` (compiled once; sizes not in use are released)."""
         self._require_bound()
         if size not in self._compiled:
-            lowered = self._lower(size)
-            if self.fault_hook is not None:
-                self.fault_hook.before_compile(size)
-            compiled = lowered.compile()
+            executable = compile_measured(lambda: self._lower(size), self.fault_hook, size)
             self.compiles += 1
             self._lowered.pop(size, None)
-            self._compiled[size] = compiled
-            self._reports[size] = memory_report(compiled)
+            self._compiled[size] = executable.compiled
+            self._reports[size] = executable.report
         return self._compiled[size]
 
     def ledger(self, size: int) -> Ledger:
