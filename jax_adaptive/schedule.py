@@ -78,7 +78,7 @@ class BatchSchedule:
         if self.steps is not None:
             return self.steps[bisect.bisect_right(self._starts, updates) - 1][1]
         size = self._fn(updates)  # type: ignore[misc]
-        if not is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+        if not _is_size(size):
             raise ValueError(
                 f"target_batch_size({updates}) returned {size!r}; a schedule must give a "
                 "positive int below 2**31."
@@ -101,6 +101,11 @@ class BatchSchedule:
         return f"BatchSchedule({spec!r})"
 
 
+def _is_size(size: Any) -> bool:
+    """Whether ``size`` is a target batch size: a positive int below ``2**31``."""
+    return is_int(size) and 1 <= size <= MAX_TARGET_BATCH_SIZE
+
+
 def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     """The ``(update, size)`` steps of a list spec, each checked (one-line errors)."""
     if not spec:
@@ -113,7 +118,7 @@ def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
         update, size = step
         if not is_int(update) or update < 0:
             raise TypeError(f"{where}: its update must be an int >= 0.")
-        if not is_int(size) or not 1 <= size <= MAX_TARGET_BATCH_SIZE:
+        if not _is_size(size):
             raise ValueError(f"{where}: its size must be a positive int below 2**31.")
         if i == 0 and update != 0:
             raise ValueError(f"{where} must start at update 0 (the size of the first update).")
