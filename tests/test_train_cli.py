@@ -93,7 +93,7 @@ def test_bad_flags_give_one_line_errors(capsys):
 
 def test_metrics_hold_one_line_per_update_after_a_resume(tmp_path):
     flags = ["--model", "mlp", "--target-batch-size", "8", "--checkpoint-every", "2"]
-    flags += ["--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]
+    flags += ["--no-progress", "--no-plan-cache", "--eval-every", "0", "--workdir", str(tmp_path)]
     assert main([*flags, "--updates", "5"]) == 0
     # Killed after update 5's line but before its checkpoint: the resumed run redoes 5.
     shutil.rmtree(tmp_path / "checkpoints" / "5")
@@ -121,7 +121,7 @@ def test_the_report_skips_trials_without_a_numeric_estimate(tmp_path):
 
 def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
     flags = ["--target-batch-size", "512", "--memory-limit", "8MB", "--updates", "1"]
-    flags += ["--plan-cache", str(tmp_path / "plans.json")]
+    flags += ["--plan-cache", str(tmp_path / "plans.json"), "--eval-every", "0"]
     plans = []
     for _ in range(2):
         assert main(flags) == 0
@@ -142,8 +142,11 @@ def _final_params(workdir, update):
 
 
 def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
-    flags = ["--target-batch-size", "64", "--memory-limit", "3MB", "--updates", "16"]
-    flags += ["--checkpoint-every", "2", "--no-plan-cache"]
+    flags = ["--target-batch-size", "64", "--memory-limit", "3MB", "--updates", "12"]
+    flags += ["--checkpoint-every", "2", "--eval-every", "0"]
+    # The three runs share a plan cache and a compilation cache, as runs of one job on
+    # one machine do: the later two start in seconds.
+    flags += ["--plan-cache", tmp_path / "plans.json", "--compilation-cache", tmp_path / "xla"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     subprocess.run(_cli(*flags, "--workdir", whole), check=True, timeout=300,
                    capture_output=True)  # fmt: skip
@@ -159,11 +162,11 @@ def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run must be killed mid-way"
     done = (killed / "metrics.jsonl").read_text().splitlines()
-    assert 4 <= len(done) < 16
+    assert 4 <= len(done) < 12
     resumed = subprocess.run(_cli(*flags, "--workdir", killed, "--resume"), check=True,
                              timeout=300, capture_output=True, text=True)  # fmt: skip
     assert "resumed at update" in resumed.stdout.splitlines()[0]
-    a, b = _final_params(whole, 16), _final_params(killed, 16)
+    a, b = _final_params(whole, 12), _final_params(killed, 12)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     (plan,) = json.loads((killed / "plan.json").read_text())["plans"]
@@ -250,9 +253,11 @@ def _losses(stdout):
 
 def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_path, capsys):
     flags = ["--target-batch-size", "256", "--memory-limit", "1.6MB", "--objective", "max"]
+    flags += ["--eval-every", "0"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     workdir = ["--data-parallel", "--workdir", tmp_path, "--checkpoint-every", "2"]
     workdir += ["--plan-cache", tmp_path / "plans.json"]  # the resumed run searches no more
+    workdir += ["--compilation-cache", tmp_path / "xla"]  # nor compiles again
     runs = [
         subprocess.run(_cli(*flags, *workdir, *more), env=env, capture_output=True, text=True,
                        timeout=300, check=True).stdout
