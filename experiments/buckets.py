@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import write_result
+from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.models import GPT, gpt_token_loss
@@ -139,13 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping", path)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for offset, (name, run) in zip((-0.2, 0.2), result["runs"].items(), strict=True):
@@ -162,9 +157,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.set_xticks(range(3), ["buckets", "pad to max", "per batch"])
     right.set_ylabel("masked tokens, % of computed")
     fig.suptitle("log-normal lengths: compiles per new bucket, padding waste")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:

@@ -24,3 +24,26 @@ def write_result(path: str | Path, result: dict[str, Any]) -> Path:
     out.write_text(json.dumps(full, indent=2) + "\n")
     print("wrote", out)
     return out
+
+
+def pyplot() -> Any:
+    """The ``matplotlib.pyplot`` module, drawing to files only (Agg); None without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[report]'): no plot")
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> None:
+    """Lays ``fig`` out, writes it to ``path`` and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print("wrote", path)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import write_result
+from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 
@@ -267,11 +267,9 @@ def main() -> None:
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     names = [
         "trainer", "trainer_device", "trainer_chunk1", "trainer_program", "optax_microbatch",
         "optax_microbatch_host", "full_batch",
@@ -283,12 +281,11 @@ def plot(results: dict, path) -> None:
         ax.bar(xs, [r["ms_per_update"][name] for r in results.values()], width, label=name)
     ax.set_xticks([j + 3 * width for j in range(len(results))])
     ax.set_xticklabels([f"{r['micro_batch_size']} x {r['hidden_width']}" for r in results.values()])
+    ax.set_xlabel("micro-batch x hidden width")
     ax.set_ylabel("ms per update (T = 1024, Adam)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    print("wrote", path)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from common import write_result
+from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.models import ResNetTiny, linen_classifier_loss
@@ -128,11 +128,9 @@ def main() -> None:
 
 
 def plot(cost: dict, differences: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     names = list(cost)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     left.bar(names, [cost[n]["ms_per_update"] for n in names], color=["tab:gray", "tab:blue"])
@@ -144,9 +142,7 @@ def plot(cost: dict, differences: dict, path) -> None:
     right.set_yscale("log")
     right.set_ylabel("largest difference, micro-batch T/4 vs T")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    print("wrote", path)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

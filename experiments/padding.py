@@ -18,7 +18,7 @@ import argparse
 import math
 import time
 
-from common import write_result
+from common import pyplot, save_figure, write_result
 from search_cost import build, trainer_for
 
 GOAL = 0.01
@@ -74,11 +74,9 @@ def main() -> None:
 
 
 def plot(cases: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     labels = [f"{c['model']}\n{c['memory_limit'] / 2**20:.0f} MiB" for c in cases]
     xs = range(len(cases))
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -89,9 +87,7 @@ def plot(cases: list[dict], path) -> None:
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("padding, % of the update's examples")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print("wrote", path)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

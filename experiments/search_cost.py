@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import write_result
+from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.models import CNN, GPT, MLP, ResNetTiny, gpt_token_loss, linen_classifier_loss
@@ -326,13 +326,8 @@ def print_tables(cases: list[dict[str, Any]]) -> None:
 
 
 def plot(cases: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping", path)
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{c['model']}\n{c['fraction']:.2f}" for c in cases]
     x = np.arange(len(cases))
@@ -351,10 +346,7 @@ def plot(cases: list[dict[str, Any]], path: Path) -> None:
     bottom.set_ylim(0, 1.05)
     bottom.axhline(1.0, color="k", lw=0.5)
     bottom.set_xticks(x, labels, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print("wrote", path)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
