@@ -284,13 +284,10 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
     for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
         shape = np.shape(x)
-        if shape[1:] == spec.shape and (  # the dtype compared before canonicalizing it
-            getattr(x, "dtype", None) == spec.dtype
-            or _dtype(x) == jax.dtypes.canonicalize_dtype(spec.dtype)
-        ):
-            continue
-        where = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
         have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
+        if shape[1:] == spec.shape and have == need:
+            continue  # a dtype JAX casts to the example's (NumPy's float64, x64 off)
+        where = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
         if shape[1:] != spec.shape:
             raise ValueError(
                 f"the batch leaf {where} has per-example shape {shape[1:]}, but "

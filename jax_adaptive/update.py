@@ -105,14 +105,13 @@ def _ready(out: tuple) -> tuple:
     return out
 
 
-_ZERO = np.int32(0)
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, which nothing can write from now on: every update starts from it.
 
-
-def _read_only_zeros(struct: Any) -> np.ndarray:
-    """Host zeros of ``struct`` that nothing can write: every update starts from them."""
-    zeros = np.zeros(struct.shape, struct.dtype)
-    zeros.flags.writeable = False
-    return zeros
+    A program's call copies a host argument to the device, donated or not.
+    """
+    array.flags.writeable = False
+    return array
 
 
 def _release(tree: Any) -> None:
@@ -162,7 +161,9 @@ class Updater:
             self._generation = self.executables.generation
             self._ran.clear()
             self._optimizer_ran.clear()
-            self._zero_totals = jax.tree.map(_read_only_zeros, self.executables.totals_struct)
+            self._zero_totals = jax.tree.map(
+                lambda s: _read_only(np.zeros(s.shape, s.dtype)), self.executables.totals_struct
+            )
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
         progress = self._fresh(state)
@@ -170,11 +171,7 @@ class Updater:
         while True:
             size = self.planner.size
             try:
-                program = None if failed else self._whole_update_program(size)
-                if program is not None:
-                    self._run_whole(program, state, (batch, weights), size, progress)
-                else:
-                    self._accumulate(state, (batch, weights), size, progress, cautious=failed)
+                self._accumulate(state, (batch, weights), size, progress, cautious=failed)
                 break
             except Exception as exc:
                 if not is_oom(exc):
@@ -208,42 +205,6 @@ class Updater:
             acc = zeros(ex.acc_struct)
         # Host zeros: the program's call transfers them, no dispatch of their own.
         return _Progress(acc, state.opt_state.mini_step, state.model_state, self._zero_totals)
-
-    def _whole_update_program(self, size: int) -> Any:
-        """The update's only program, if one runs it all and ran before here; else None.
-
-        One program holds every micro-step and the optimizer step (`Planner.final`),
-        it completed an update before, and one process on one device runs it. Such an
-        update needs none of `_accumulate`'s bookkeeping (nothing to save, no program to
-        wait for before the next): `_run_whole` calls it straight away.
-        """
-        final = self.planner.final
-        if (
-            final is None
-            or final[0] * size < self.T
-            or (size, self.planner.chunk, True) not in self._ran
-            or self.placement.data is not None
-            or jax.process_count() > 1
-        ):
-            return None
-        return final[1].compiled
-
-    def _run_whole(self, program: Any, state, batch, size: int, p: _Progress) -> None:
-        """Runs the update's only program (`_whole_update_program`): its results in ``p.done``."""
-        steps = math.ceil(self.T / size)
-        examples, weights = self._rows(batch, 0, steps * size)  # the last one's padding too
-        args = MicroArgs(
-            state.params, state.opt_state._replace(acc_grads=None, mini_step=p.mini_step),
-            p.acc, p.model_state, p.totals, examples, weights, state.rng,
-            _ZERO, np.int32(steps + 1), np.int32(self.T),
-        )  # fmt: skip
-        p.finishing = True  # its failure is the last program's: the fusion goes first
-        hook = self.executables.fault_hook
-        if hook is not None:
-            hook.before_execution(size, args)
-        p.done = _ready(program(*args))
-        p.finishing, p.offset, p.steps = False, self.T, steps
-        self.planner.ran()
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
@@ -307,10 +268,8 @@ class Updater:
     @staticmethod
     @functools.lru_cache(maxsize=8)
     def _ones(T: int) -> np.ndarray:
-        """Weights of 1, read-only: programs read weights, never donate them."""
-        ones = np.ones(T, np.float32)
-        ones.flags.writeable = False
-        return ones
+        """Weights of 1, read-only."""
+        return _read_only(np.ones(T, np.float32))
 
     def _rows(self, batch: tuple[Batch, np.ndarray], start: int, n: int) -> tuple[Batch, Any]:
         """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0."""
