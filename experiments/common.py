@@ -47,3 +47,13 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> None:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     print("wrote", path)
+
+
+def grouped_bars(ax: Any, groups: list[str], series: dict[str, list[float]]) -> None:
+    """One bar per series in each group, side by side, the groups named under them."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.legend(fontsize=8)

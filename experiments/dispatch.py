@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import pyplot, save_figure, write_result
+from common import grouped_bars, pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 
@@ -275,16 +275,12 @@ def plot(results: dict, path) -> None:
         "optax_microbatch_host", "full_batch",
     ]  # fmt: skip
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.11
-    for i, name in enumerate(names):
-        xs = [j + i * width for j in range(len(results))]
-        ax.bar(xs, [r["ms_per_update"][name] for r in results.values()], width, label=name)
-    ax.set_xticks([j + 3 * width for j in range(len(results))])
-    ax.set_xticklabels([f"{r['micro_batch_size']} x {r['hidden_width']}" for r in results.values()])
+    groups = [f"{r['micro_batch_size']} x {r['hidden_width']}" for r in results.values()]
+    series = {n: [r["ms_per_update"][n] for r in results.values()] for n in names}
+    grouped_bars(ax, groups, series)
     ax.set_xlabel("micro-batch x hidden width")
     ax.set_ylabel("ms per update (T = 1024, Adam)")
     ax.set_yscale("log")
-    ax.legend(fontsize=8)
     save_figure(fig, path)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from common import pyplot, save_figure, write_result
+from common import grouped_bars, pyplot, save_figure, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.models import ResNetTiny, linen_classifier_loss
@@ -135,13 +135,10 @@ def plot(cost: dict, differences: dict, path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     left.bar(names, [cost[n]["ms_per_update"] for n in names], color=["tab:gray", "tab:blue"])
     left.set_ylabel("ms per update (micro-batch = T)")
-    for i, kind in enumerate(("params", "batch_stats")):
-        values = [max(differences[n][kind], 1e-12) for n in names]
-        right.bar([x + 0.35 * i for x in range(len(names))], values, 0.35, label=kind)
-    right.set_xticks([x + 0.175 for x in range(len(names))], names)
+    kinds = ("params", "batch_stats")
+    grouped_bars(right, names, {k: [max(differences[n][k], 1e-12) for n in names] for k in kinds})
     right.set_yscale("log")
     right.set_ylabel("largest difference, micro-batch T/4 vs T")
-    right.legend(fontsize=8)
     save_figure(fig, path)
 
 

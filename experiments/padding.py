@@ -18,7 +18,7 @@ import argparse
 import math
 import time
 
-from common import pyplot, save_figure, write_result
+from common import grouped_bars, pyplot, save_figure, write_result
 from search_cost import build, trainer_for
 
 GOAL = 0.01
@@ -78,15 +78,14 @@ def plot(cases: list[dict], path) -> None:
     if plt is None:
         return
     labels = [f"{c['model']}\n{c['memory_limit'] / 2**20:.0f} MiB" for c in cases]
-    xs = range(len(cases))
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.bar([x - 0.2 for x in xs], [100 * c["max_padding"] for c in cases], 0.4, label="max")
-    ax.bar([x + 0.2 for x in xs], [100 * c["default_padding"] for c in cases], 0.4,
-           label="least_padding (default)")  # fmt: skip
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=7)
+    series = {
+        "max": [100 * c["max_padding"] for c in cases],
+        "least_padding (default)": [100 * c["default_padding"] for c in cases],
+    }
+    grouped_bars(ax, labels, series)
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("padding, % of the update's examples")
-    ax.legend()
     save_figure(fig, path)
 
 
