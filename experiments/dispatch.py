@@ -107,8 +107,8 @@ def trainer_update(params, loss, m: int, batch, *, chunk: int | str, on_device: 
 def program_update(trainer, params, batch) -> Callable[[], None]:
     """The trainer's fused program of the whole update, called directly (no host work).
 
-    Its arguments follow `ja.make_micro_step`'s convention; the accumulator and the
-    totals it donates are fresh each call, as the trainer's update makes them.
+    Its arguments follow `ja.make_micro_step`'s convention; the totals it donates are
+    fresh each call, as the trainer's update makes them.
     """
     chunk = trainer.accumulation_steps
     program = trainer.compile(trainer.micro_batch_size, chunk, with_optimizer_step=True)
@@ -123,6 +123,8 @@ def program_update(trainer, params, batch) -> Callable[[], None]:
         k, offset, target = np.int32(chunk + 1), np.int32(0), np.int32(T)
         args = (s.params, opt, s.opt_state.acc_grads, s.model_state, totals, data, weights)
         params, opt_state, _, _ = program(*args, s.rng, offset, k, target)
+        # The whole update's program leaves the state's accumulator, zeros, unread.
+        opt_state = opt_state._replace(acc_grads=s.opt_state.acc_grads)
         box[0] = s._replace(params=params, opt_state=opt_state)
         jax.block_until_ready(params)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Container
@@ -250,9 +251,9 @@ class Executables:
         self._lowered: dict[tuple[int, int], Any] = {}
         self._reports: dict[tuple[int, int], dict[str, int]] = {}
         self._optimizer: dict[bool, Executable] = {}
-        self._finals: dict[tuple[int, int], Executable] = {}
+        self._finals: dict[tuple[int, int, bool], Executable] = {}
         # per (size, chunk, with the optimizer step): kept when programs go
-        self._ledgers: dict[tuple[int, int, bool], Ledger] = {}
+        self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------ binding a shape
@@ -411,18 +412,18 @@ class Executables:
 
     def _ledger_of(self, size: int, chunk: int, final: bool) -> Ledger:
         """`ledger` of ``micro(size, chunk)``, or of ``final(size, chunk)``: measured once."""
-        if (size, chunk, final) in self._ledgers:
-            return self._ledgers[size, chunk, final]
-        report = self.final(size, chunk).report if final else self.report(size, chunk)
-        args = self.micro_structs(size, chunk)
-        inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
-        new_outputs = report["output"] - report["alias"]
-        self._ledgers[size, chunk, final] = Ledger(
-            state=self.state_bytes(),
-            in_flight=self.in_flight * (inputs + new_outputs),
-            program=self.in_flight * report["temp"] + report["code"],
-        )
-        return self._ledgers[size, chunk, final]
+        key = (size, chunk, final and self.whole(size, chunk), final)
+        if key not in self._ledgers:
+            report = self.final(size, chunk).report if final else self.report(size, chunk)
+            args = self.micro_structs(size, chunk)
+            inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
+            new_outputs = report["output"] - report["alias"]
+            self._ledgers[key] = Ledger(
+                state=self.state_bytes(),
+                in_flight=self.in_flight * (inputs + new_outputs),
+                program=self.in_flight * report["temp"] + report["code"],
+            )
+        return self._ledgers[key]
 
     def example_bytes(self) -> int:
         """Bytes one example (and its weight) adds to a program's inputs."""
@@ -502,20 +503,37 @@ class Executables:
         It takes the arguments of ``micro(size, chunk)``, donates what it donates (the
         train state stays intact: a failure loses nothing) and returns ``(params,
         opt_state, model_state, means)`` (`jax_adaptive.step.with_optimizer_step`).
-        Compiled once per size and chunk; `final_ledger` is its peak.
+        When those micro-steps are the whole update (`whole`), it neither reads nor
+        donates the accumulator and returns ``opt_state.acc_grads=None``: the state's,
+        zeros between updates, stays the new state's. Compiled once per size, chunk and
+        whether it is whole; `final_ledger` is its peak.
         """
-        key = self._check_size(size), self._check_chunk(size, chunk)
+        size, chunk = self._check_size(size), self._check_chunk(size, chunk)
+        key = (size, chunk, self.whole(size, chunk))
         if key not in self._finals:
-            s = self.state_structs
+            whole, s = key[2], self.state_structs
             program = with_optimizer_step(
                 self._program(self._chunk_fn, size if chunk > 1 else None),
                 make_optimizer_step(self.optimizer, per_device=self.per_device),
+                whole=whole,
             )
-            outs = _shardings((s.params, s.opt_state, s.model_state, self.means_struct))
-            jitted = jax.jit(program, donate_argnames=DONATED, out_shardings=outs)
-            self._finals[key] = self._compile(lambda: jitted.lower(*self.micro_structs(*key)), size)
+            opt_state = s.opt_state._replace(acc_grads=None) if whole else s.opt_state
+            outs = _shardings((s.params, opt_state, s.model_state, self.means_struct))
+            donated = tuple(name for name in DONATED if not (whole and name == "acc_grads"))
+            jitted = jax.jit(program, donate_argnames=donated, out_shardings=outs)
+            self._finals[key] = self._compile(
+                lambda: jitted.lower(*self.micro_structs(size, chunk)), size
+            )
             self.final_compiles += 1
         return self._finals[key]
+
+    def whole(self, size: int, chunk: int) -> bool:
+        """Whether ``chunk`` micro-steps of ``size`` are a whole update of the target now.
+
+        Its last program then starts from zeros instead of the state's accumulator
+        (one device's: not `per_device`, whose accumulator has a device axis).
+        """
+        return not self.per_device and chunk == math.ceil(self.target_batch_size / size)
 
     def _compile(self, lower: Any, size: int | None = None) -> Executable:
         """`compile_measured` with this object's fault hook (for a ``size``'s compile)."""

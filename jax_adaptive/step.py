@@ -303,7 +303,7 @@ def make_optimizer_step(
 
 
 def with_optimizer_step(
-    program: Callable[..., Any], optimizer_step: Callable[..., Any]
+    program: Callable[..., Any], optimizer_step: Callable[..., Any], *, whole: bool = False
 ) -> Callable[..., Any]:
     """An update's last program: ``program``'s micro-steps, then the optimizer step.
 
@@ -315,6 +315,13 @@ def with_optimizer_step(
     and the optimizer state stay intact whatever happens, so a failure loses nothing
     (the new state is then allocated beside the old one: the state twice, as the
     optimizer step alone needs).
+
+    With ``whole``, ``program``'s micro-steps are the whole update (``mini_step`` 0,
+    ``offset`` 0): they start from a zero accumulator made in the program, never
+    reading ``acc_grads`` (its shape alone), and the result's ``opt_state`` has
+    ``acc_grads=None``: between updates the state's accumulator is zeros (what
+    ``MultiSteps`` leaves), so the caller keeps it as the new state's, and no
+    state-sized tree of zeros is written per update. Jit it donating ``totals`` only.
 
     Example:
         >>> import optax
@@ -334,12 +341,15 @@ def with_optimizer_step(
         params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
         target=None,
     ):  # fmt: skip
+        start = jax.tree.map(jnp.zeros_like, acc_grads) if whole else acc_grads
         acc, mini_step, model_state, totals = program(
-            params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,
+            params, opt_state, start, model_state, totals, batch, weights, rng, offset, k,
             target,
         )  # fmt: skip
         opt_state = opt_state._replace(acc_grads=acc, mini_step=mini_step)
         params, opt_state, means = optimizer_step(params, opt_state, totals, k, target)
+        if whole:  # the caller's accumulator, zeros, is the new state's: not written again
+            opt_state = opt_state._replace(acc_grads=None)
         return params, opt_state, model_state, means
 
     return last

@@ -407,7 +407,9 @@ class AdaptiveTrainer:
                 with ``chunk * size`` examples; `ledger` gives its peak).
             with_optimizer_step: the update's last program instead: those micro-steps,
                 then the optimizer step; it returns ``(params, opt_state, model_state,
-                means)``.
+                means)``. When they are the whole update (``chunk * size`` covers the
+                target), it starts from zeros, never reads the accumulator and returns
+                ``opt_state.acc_grads=None``: keep the state's (zeros between updates).
 
         Returns:
             The ``jax.stages.Compiled`` program.

@@ -12,7 +12,10 @@ twice.
 The update's last program runs the optimizer step too when the planner fused them
 (`jax_adaptive.planner.Planner.final`: its ledger fits, one process): one dispatch and
 one wait fewer. It donates what a micro-step donates, never the state, so its failure
-loses nothing either; the update then runs again with the optimizer step apart.
+loses nothing either; the update then runs again with the optimizer step apart. When
+it is the whole update it starts from zeros and leaves the state's accumulator (zeros
+between updates) unread and undonated, to be the new state's: no state-sized zeros
+are written per update.
 
 A new size's first update, and an update that already failed, keep a host copy of what
 a failure could lose and the micro-step changes (the accumulator, the totals, the model
@@ -351,6 +354,8 @@ class Updater:
     def _apply(self, state: TrainState, p: _Progress) -> tuple[TrainState, dict[str, Any]]:
         if p.done is not None:  # the last program ran the optimizer step
             params, opt_state, model_state, means = p.done
+            if opt_state.acc_grads is None:  # a whole update's: it left p.acc, zeros, unread
+                opt_state = opt_state._replace(acc_grads=p.acc)
             return TrainState(params, opt_state, model_state, state.rng), self._metrics(means, p)
         executable, donating = self.planner.optimizer_step()
         opt = state.opt_state._replace(acc_grads=p.acc, mini_step=p.mini_step)

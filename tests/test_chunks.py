@@ -188,6 +188,47 @@ def test_the_compiled_last_program_is_one_full_batch_step():
     np.testing.assert_allclose(means["loss"], jnp.mean(mlp_loss(mlp_params(), batch, None)), 1e-5)
 
 
+def test_the_whole_update_in_one_program_writes_no_accumulator():
+    """Zeros between updates, the state's accumulator stays the new state's: the program
+    that is the whole update starts from zeros of its own and neither reads, donates nor
+    writes it. References: the buffers' addresses, the bytes of the live arrays the
+    program returns, and the full-batch step; then a target of two chunks, whose last
+    program does reset the accumulator it was given."""
+    params, batches = mlp_params(width=64), batches_of(3, T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=4
+    )
+    state = trainer.init(params, batches[0])
+    addresses = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(state.opt_state.acc_grads)]
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        assert trainer.plan_info.fused and trainer.plan_info.chunk == 3
+        acc = jax.tree.leaves(state.opt_state.acc_grads)
+        assert [a.unsafe_buffer_pointer() for a in acc] == addresses
+        assert not any(np.any(np.asarray(a)) for a in acc)
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), params, batches)
+    assert_trees_close(state.params, reference, 1e-5)
+    # What the program writes: the new state but its accumulator, and the means; at most
+    # 12 bytes a leaf more (a pointer in XLA's table of outputs), less than the accumulator.
+    written = (state.params, state.opt_state._replace(acc_grads=None), metrics["loss"])
+    written_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(written))
+    acc_bytes = sum(a.nbytes for a in acc)
+    out = trainer.compile(4, 3, with_optimizer_step=True).memory_analysis().output_size_in_bytes
+    slack = 12 * len(jax.tree.leaves(written))
+    assert written_bytes <= out <= written_bytes + slack < written_bytes + acc_bytes
+    # Twice the target: two chunks of 3, the last fused, given the first's sums, and
+    # returning the accumulator reset.
+    batches = batches_of(3, 2 * T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=2 * T, micro_batch_size=4, chunk=3
+    )
+    state, _ = train(trainer, batches, params)
+    assert trainer.plan_info.fused and trainer.plan_info.chunk == 3
+    assert not any(np.any(np.asarray(a)) for a in jax.tree.leaves(state.opt_state.acc_grads))
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), params, batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
 @pytest.fixture(scope="module")
 def ledgers48():
     """Brute force: the ledger of every size 1..48, each from its own compile."""
