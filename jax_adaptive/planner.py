@@ -494,14 +494,23 @@ class Planner:
         self._oom_streak = 0
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
-        """Changes the cap; a raise lets the planner grow at the next update."""
+        """Changes the cap; a raise lets the planner grow at the next update.
+
+        The chunk and whether the last program runs the optimizer step were decided
+        under the old cap: the next update decides them again, even at the same size.
+        With several processes the chunk stays (the processes agree on it together, and
+        a cap is one process's news): a chunk over a lowered cap fails its check and
+        the update goes on one micro-step per dispatch.
+        """
         old = self.memory_limit
         self._limit_raised = (memory_limit is None) if old is not None else False
         if memory_limit is not None and old is not None:
             self._limit_raised = memory_limit > old
         self.memory_limit = memory_limit
-        if self._fused:  # decided under the old limit
+        if memory_limit != old:
             self._fused = None
+            if jax.process_count() == 1:
+                self._chunk = None
 
     def shrink(self, exc: BaseException, size: int) -> int:
         """Marks ``size`` as not fitting after ``exc`` and plans a smaller one.

@@ -468,7 +468,9 @@ class AdaptiveTrainer:
         """Changes the simulated device's bytes; it takes effect at the next step.
 
         A lower limit makes the next step fail as an out-of-memory would, which shrinks
-        the micro-batch; a higher one lets the trainer grow it (policy ``grow``).
+        the micro-batch; a higher one lets the trainer grow it (policy ``grow``). Either
+        way the next step decides the chunk and the fused last program again (one
+        process), even when the micro-batch stays.
 
         Example:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja

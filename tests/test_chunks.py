@@ -229,6 +229,35 @@ def test_the_whole_update_in_one_program_writes_no_accumulator():
     assert_trees_close(state.params, reference, 1e-5)
 
 
+def test_a_changed_limit_decides_the_chunk_and_the_fusion_again():
+    """At a fixed size nothing grows or shrinks, yet the chunk and the fused last program
+    were decided under the old limit: a raised limit gives the whole update in one
+    program, a lowered one shorter chunks again, each the brute-forced choice."""
+    batches = batches_of(3, T)
+    probe = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=2)
+    probe.init(mlp_params(), batches[0])
+    chunks = {c: probe.ledger(2, chunk=c).total for c in range(1, 7)}
+    whole = probe.ledger(2, chunk=6, with_optimizer_step=True).total
+    low = chunks[2]  # chunks of 2, at most, and no fused last program
+    assert low < min(chunks[3], whole)
+    high = max(chunks[6], whole)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T, micro_batch_size=2, memory_limit=low
+    )
+    state = trainer.init(mlp_params(), batches[0])
+    state, _ = trainer.step(state, batches[0])
+    assert (trainer.plan_info.chunk, trainer.plan_info.fused) == (2, False)
+    trainer.set_memory_limit(high)
+    state, _ = trainer.step(state, batches[1])
+    assert (trainer.plan_info.chunk, trainer.plan_info.fused) == (6, True)
+    trainer.set_memory_limit(low)
+    state, _ = trainer.step(state, batches[2])
+    assert (trainer.plan_info.chunk, trainer.plan_info.fused) == (2, False)
+    assert trainer.plan_info.ledger.total <= low
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
 @pytest.fixture(scope="module")
 def ledgers48():
     """Brute force: the ledger of every size 1..48, each from its own compile."""
