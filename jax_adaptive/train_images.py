@@ -10,7 +10,6 @@ held-out split (`jax_adaptive.datasets.load_held_out`) every ``eval_every`` upda
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 from collections.abc import Callable
@@ -137,8 +136,7 @@ def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
             f"loss(logits, labels) -> per-example losses); it returned {_kind(made)}."
         )
     module, loss = made
-    takes_train = "train" in inspect.signature(type(module).__call__).parameters
-    init_kwargs = {"train": False} if takes_train else {}
+    init_kwargs = models.train_kwargs(module, False)
     images = jnp.asarray(example["image"][:1])
     variables = _guarded(  # shapes only: `_start` initialises the model it trains
         spec,

@@ -11,6 +11,7 @@ from jax_adaptive.models.adapters import (
     gpt_token_loss,
     linen_classifier_loss,
     nnx_classifier_loss,
+    train_kwargs,
 )
 from jax_adaptive.models.cnn import CNN
 from jax_adaptive.models.gpt import GPT
@@ -37,4 +38,5 @@ __all__ = [
     "gpt_token_loss",
     "linen_classifier_loss",
     "nnx_classifier_loss",
+    "train_kwargs",
 ]

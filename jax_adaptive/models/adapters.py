@@ -34,8 +34,25 @@ def _classifier_losses(logits, labels, loss: Loss | None):
     return losses, {"accuracy": accuracy}
 
 
+def train_kwargs(model: nn.Module, train: bool) -> dict[str, bool]:
+    """``{"train": train}`` for a linen module whose ``__call__`` takes ``train``, else ``{}``.
+
+    How the adapters call (and the command line initialises) a user's module: the Flax
+    examples' models differ, some take a ``train`` switch, the MNIST CNN takes none.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> from jax_adaptive.models import MLP
+        >>> train_kwargs(MLP(features=(8,), num_classes=3), False)
+        {'train': False}
+        >>> train_kwargs(nn.Dense(3), True)
+        {}
+    """
+    return {"train": train} if _takes(type(model).__call__, "train") else {}
+
+
 def _takes(call: Callable[..., Any], name: str) -> bool:
-    """Whether ``call`` has a parameter named ``name``."""
+    """Whether ``call`` has a parameter named ``name`` (none without a signature)."""
     try:
         return name in inspect.signature(call).parameters
     except (TypeError, ValueError):
@@ -137,9 +154,7 @@ def linen_classifier_loss(
         >>> losses.shape, aux["accuracy"].shape
         ((5,), (5,))
     """
-    kwargs = dict(call_kwargs or {})
-    if _takes(type(model).__call__, "train"):
-        kwargs.setdefault("train", train)
+    kwargs = {**train_kwargs(model, train), **(call_kwargs or {})}
     updates = bool(mutable) and train  # whether the model state changes
 
     def apply(params, model_state, batch, rng):
