@@ -92,7 +92,11 @@ def build(name: str, target: int) -> Setup:
 
 
 def trainer_for(setup: Setup, limit: int | None, objective: str = "max") -> ja.AdaptiveTrainer:
-    """A trainer for the setup; ``objective="max"``: the search's answer is the plan."""
+    """A trainer for the setup; ``objective="max"``: the search's answer is the plan.
+
+    Without the plan cache: a plan a former run stored would come without a search (no
+    compiles to count, ``plan_info.largest`` unknown).
+    """
     return ja.AdaptiveTrainer(
         setup.loss_fn,
         optax.adam(1e-3),
@@ -102,6 +106,7 @@ def trainer_for(setup: Setup, limit: int | None, objective: str = "max") -> ja.A
         has_aux=setup.has_aux,
         has_state=setup.has_state,
         objective=objective,
+        plan_cache=False,
     )
 
 
