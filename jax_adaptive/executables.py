@@ -569,8 +569,26 @@ class Executables:
 
         Out-of-memory errors propagate: the caller decides what they mean.
         """
-        compiled = self.micro(size).compiled
-        structs = self.micro_structs(size)
+        return self.time_program(self.micro(size), size, 1, state, reps)
+
+    def time_program(
+        self,
+        executable: Executable,
+        size: int,
+        chunk: int = 1,
+        state: TrainState | None = None,
+        reps: int = 3,
+    ) -> float:
+        """The fastest of ``reps`` runs of a program of ``micro(size, chunk)``'s arguments.
+
+        In seconds, on a batch of zeros, after a first run that warms up. ``executable``
+        is ``micro(size, chunk)`` or ``final(size, chunk)``; ``state`` the train state it
+        runs on, or None for zeros of its shapes (a second state on the device).
+        Out-of-memory errors propagate: the caller decides what they mean.
+        """
+        structs = self.micro_structs(size, chunk)
+        state = zeros(self.state_structs) if state is None else state
+        w = structs.weights
         seconds = []
         for _ in range(reps + 1):  # the first run warms up
             args = structs._replace(
@@ -580,14 +598,14 @@ class Executables:
                 model_state=state.model_state,
                 totals=zeros(structs.totals),
                 batch=zeros(structs.batch),
-                weights=jnp.ones(size, jnp.float32),
+                weights=jnp.ones(w.shape, w.dtype, device=w.sharding),
                 rng=state.rng,
                 offset=np.int32(0),
-                k=np.int32(2),
+                k=np.int32(chunk + 1),
                 target=np.int32(self.target_batch_size),
             )
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
+            jax.block_until_ready(executable.compiled(*args))
             seconds.append(time.perf_counter() - start)
         return min(seconds[1:])
 

@@ -42,6 +42,11 @@ __all__ = ["Planner"]
 
 log = logging.getLogger("jax_adaptive")
 
+SLOWER_CHUNK = 2.0
+"""On a CPU, a chunk whose program takes over this many times its micro-steps run one by
+one is not taken (`Planner.settle`): a chunk saves dispatches, and the slow loops it
+guards against cost 7-26 times."""
+
 GrowPolicy = Literal["never", "on_limit_change"] | int
 
 
@@ -126,6 +131,7 @@ class Planner:
         self._chunk: int | None = None  # decided at the size's first update
         self._fused: bool | None = None  # the last program runs the optimizer step too
         self._final: tuple[int, Executable] | None = None  # and that program, when it does
+        self._speed: dict[tuple, bool] = {}  # (size, chunk, fused, generation): not much slower
         self.largest: int | None = None  # the largest size that fits, when searched
         self._open = True  # no size above `largest` was tried: a larger target searches up
         self._generation = 0  # the executables' binding the memory model measured
@@ -335,6 +341,56 @@ class Planner:
                 break
             chunk = chunk_length(steps, chunk - 1)
         return chunk
+
+    def settle(self, state: TrainState) -> None:
+        """At an update's start: the chunk the capacity allows, if it is not much slower.
+
+        XLA:CPU runs a convolution inside a loop (a chunk's scan) with slow kernels: the
+        Flax MNIST example's CNN runs a chunk 7-26 times slower than its micro-steps
+        dispatched one at a time (jax-ml/jax#12868). On a CPU, with one process, the
+        program the update would run (the chunk, or the whole update with the optimizer
+        step) is timed once on ``state`` and a batch of zeros against ``chunk`` runs of
+        the micro-step (the user's loss runs then, on zeros); more than `SLOWER_CHUNK`
+        times slower, the update runs one micro-step per dispatch. Elsewhere a chunk is
+        taken for the dispatches it saves, untimed.
+        """
+        chunk = self.chunk
+        if chunk == 1 or self.device.platform != "cpu" or jax.process_count() > 1:
+            return
+        final = self.final
+        fused = final is not None and final[0] == chunk
+        key = (self.size, chunk, fused, self.executables.generation)
+        if key not in self._speed:
+            self._speed[key] = self._chunk_is_faster(state, chunk, final[1] if fused else None)
+        if not self._speed[key]:
+            self._chunk, self._fused, self._final = 1, None, None
+
+    def _chunk_is_faster(self, state: TrainState, chunk: int, final: Executable | None) -> bool:
+        """Whether ``chunk`` micro-steps in one program are not much slower than one by one.
+
+        The program is ``final``, else the chunk's own; at most `SLOWER_CHUNK` times the
+        micro-steps one by one. True when an out-of-memory leaves it unknown: the update
+        meets it and recovers.
+        """
+        ex, size = self.executables, self.size
+        program = final if final is not None else ex.micro(size, chunk)
+        timed, error = catch_oom(
+            lambda: (
+                ex.time_program(ex.micro(size), size, state=state, reps=2),
+                ex.time_program(program, size, chunk, state=state, reps=2),
+            )
+        )
+        if error is not None:
+            return True
+        one, many = timed
+        if many <= SLOWER_CHUNK * chunk * one:
+            return True
+        log.warning(
+            "a program of %d micro-steps of %d took %.1f ms, %.1f times %d micro-steps one by "
+            "one (XLA:CPU runs convolutions in a loop slowly): one micro-step per dispatch",
+            chunk, size, many * 1e3, many / (chunk * one), chunk,
+        )  # fmt: skip
+        return False
 
     @property
     def final(self) -> tuple[int, Executable] | None:

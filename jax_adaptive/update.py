@@ -222,6 +222,7 @@ class Updater:
         first run also wait for each program before the next runs and keep a host copy
         of its result, so a failure costs one program's micro-steps, not the update.
         """
+        self.planner.settle(state)  # the chunk, timed once on a CPU
         chunk, final, T = self.planner.chunk, self.planner.final, self.T
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         cautious = cautious or (size, chunk, final is not None) not in self._ran

@@ -6,7 +6,9 @@ random keys a chunk's micro-steps see).
 """
 
 import math
+import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,8 @@ from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_para
 from helpers import regression_batches as batches_of
 
 import jax_adaptive as ja
+from jax_adaptive.models import linen_classifier_loss
+from jax_adaptive.planner import SLOWER_CHUNK
 from jax_adaptive.testing import inject_oom
 
 T = 12
@@ -256,6 +260,76 @@ def test_a_changed_limit_decides_the_chunk_and_the_fusion_again():
     assert trainer.plan_info.ledger.total <= low
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
+
+
+def _seconds(program, args, reps=3):
+    """The fastest of ``reps`` calls of ``program`` on ``args`` after a warm-up call."""
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*args()))
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+class MnistCNN(nn.Module):
+    """The Flax MNIST example's CNN, as the example writes it."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = nn.Dense(features=256)(x)
+        x = nn.relu(x)
+        x = nn.Dense(features=10)(x)
+        return x
+
+
+def test_a_chunk_much_slower_than_its_micro_steps_one_by_one_is_not_taken():
+    """XLA:CPU runs a convolution inside a loop with slow kernels (jax-ml/jax#12868): the
+    chunk of a CNN written as the Flax MNIST example writes one can run many times slower
+    than its micro-steps dispatched one by one. The plan takes the chunk unless it is
+    more than SLOWER_CHUNK times slower. Reference: the test's own timing of the two
+    compiled programs (the whole update in one program, and one micro-step), then the
+    full-batch step."""
+    T, m = 64, 16
+    data = ja.synthetic_images(3 * T)
+    batches = [{k: v[i * T : (i + 1) * T] for k, v in data.items()} for i in range(3)]
+    model = MnistCNN()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))["params"]
+    loss = linen_classifier_loss(model)
+    trainer = ja.AdaptiveTrainer(
+        loss, optax.adam(1e-3), target_batch_size=T, micro_batch_size=m, has_aux=True
+    )
+    state = trainer.init(params, batches[0])
+    whole = trainer.compile(m, T // m, with_optimizer_step=True)
+    one = trainer.compile(m)
+    opt = state.opt_state._replace(acc_grads=None)
+
+    def args(rows, k):  # fresh accumulator and totals at each call: the programs donate them
+        batch = {key: jnp.asarray(v[:rows]) for key, v in batches[0].items()}
+        return lambda: (
+            state.params, opt, jax.tree.map(jnp.zeros_like, state.opt_state.acc_grads),
+            state.model_state, {"loss": jnp.zeros(()), "accuracy": jnp.zeros(())}, batch,
+            jnp.ones(rows), state.rng, 0, k, T,
+        )  # fmt: skip
+
+    ratio = _seconds(whole, args(T, T // m + 1)) / (T // m * _seconds(one, args(m, 2)))
+    assert not SLOWER_CHUNK / 2 < ratio < SLOWER_CHUNK * 2  # no coin toss at the threshold
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+    assert trainer.plan_info.chunk == (1 if ratio > SLOWER_CHUNK else T // m)
+    assert trainer.plan_info.fused and metrics["accumulation_steps"] == T // m
+    mean_loss = lambda p, b, rng: loss(p, b, rng)[0]  # noqa: E731
+    reference = full_batch_reference(
+        mean_loss, optax.adam(1e-3), params, batches, rng=jax.random.key(0)
+    )  # no dropout: any key
+    assert_trees_close(state.params, reference, 2e-5)
 
 
 @pytest.fixture(scope="module")
