@@ -8,7 +8,6 @@ random keys a chunk's micro-steps see).
 import math
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +15,7 @@ import optax
 import pytest
 from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
 from helpers import regression_batches as batches_of
+from user_model import CNN
 
 import jax_adaptive as ja
 from jax_adaptive.models import linen_classifier_loss
@@ -272,24 +272,6 @@ def _seconds(program, args, reps=3):
     return min(times[1:])
 
 
-class MnistCNN(nn.Module):
-    """The Flax MNIST example's CNN, as the example writes it."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        x = x.reshape((x.shape[0], -1))  # flatten
-        x = nn.Dense(features=256)(x)
-        x = nn.relu(x)
-        x = nn.Dense(features=10)(x)
-        return x
-
-
 def test_a_chunk_much_slower_than_its_micro_steps_one_by_one_is_not_taken():
     """XLA:CPU runs a convolution inside a loop with slow kernels (jax-ml/jax#12868): the
     chunk of a CNN written as the Flax MNIST example writes one can run many times slower
@@ -300,7 +282,7 @@ def test_a_chunk_much_slower_than_its_micro_steps_one_by_one_is_not_taken():
     T, m = 64, 16
     data = ja.synthetic_images(3 * T)
     batches = [{k: v[i * T : (i + 1) * T] for k, v in data.items()} for i in range(3)]
-    model = MnistCNN()
+    model = CNN(features=(32, 64), dense=256)  # the Flax MNIST example's widths
     params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))["params"]
     loss = linen_classifier_loss(model)
     trainer = ja.AdaptiveTrainer(
