@@ -569,25 +569,18 @@ class Executables:
 
         Out-of-memory errors propagate: the caller decides what they mean.
         """
-        return self.time_program(self.micro(size), size, 1, state, reps)
+        return self.time_program(self.micro(size), state, size, reps=reps)
 
     def time_program(
-        self,
-        executable: Executable,
-        size: int,
-        chunk: int = 1,
-        state: TrainState | None = None,
-        reps: int = 3,
+        self, executable: Executable, state: TrainState, size: int, chunk: int = 1, reps: int = 3
     ) -> float:
         """The fastest of ``reps`` runs of a program of ``micro(size, chunk)``'s arguments.
 
-        In seconds, on a batch of zeros, after a first run that warms up. ``executable``
-        is ``micro(size, chunk)`` or ``final(size, chunk)``; ``state`` the train state it
-        runs on, or None for zeros of its shapes (a second state on the device).
+        In seconds, on ``state`` and a batch of zeros, after a first run that warms up.
+        ``executable`` is ``micro(size, chunk)`` or ``final(size, chunk)``.
         Out-of-memory errors propagate: the caller decides what they mean.
         """
         structs = self.micro_structs(size, chunk)
-        state = zeros(self.state_structs) if state is None else state
         w = structs.weights
         seconds = []
         for _ in range(reps + 1):  # the first run warms up

@@ -114,6 +114,9 @@ class Planner:
         self.memory_limit, self.headroom, self.grow = memory_limit, headroom, grow
         self.oom_retries, self.multiple_of, self.shards = oom_retries, multiple_of, shards
         self.plan_cache, self.objective, self.device = plan_cache, objective, device
+        # XLA:CPU's slow loops: a chunk is timed there, by one process (`settle`)
+        platform = getattr(device, "platform", jax.default_backend())
+        self._times_chunks = platform == "cpu" and jax.process_count() == 1
         self.memory_model = MemoryModel(prior=memory_prior)
         self.sizes = SizeSearch(
             "micro-step of",
@@ -354,8 +357,7 @@ class Planner:
         times slower, the update runs one micro-step per dispatch. Elsewhere a chunk is
         taken for the dispatches it saves, untimed.
         """
-        chunk = self.chunk
-        if chunk == 1 or self.device.platform != "cpu" or jax.process_count() > 1:
+        if not self._times_chunks or (chunk := self.chunk) == 1:
             return
         final = self.final
         fused = final is not None and final[0] == chunk
@@ -380,8 +382,8 @@ class Planner:
         def ratio() -> float:
             ones, manys = [], []
             for _ in range(3):
-                ones.append(ex.time_program(ex.micro(size), size, state=state, reps=1))
-                manys.append(ex.time_program(program, size, chunk, state=state, reps=1))
+                ones.append(ex.time_program(ex.micro(size), state, size, reps=1))
+                manys.append(ex.time_program(program, state, size, chunk, reps=1))
             return min(manys) / (chunk * min(ones))
 
         for _ in range(2):
