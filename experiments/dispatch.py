@@ -18,7 +18,11 @@ At micro-batch 8, 64 and 512 (T = 1024, Adam), one process, interleaved rounds, 
 - ``optax_microbatch_kept``: ``optax_microbatch`` without donating its state, as the
   trainer's last program must not (an out-of-memory in it then loses nothing): what
   that safety alone costs a hand-written loop;
-- ``full_batch``: one jitted full-batch step (no accumulation).
+- ``full_batch``: one jitted full-batch step (no accumulation);
+- ``trainer_chunk16`` and ``trainer_device_chunk16`` (micro-batch 8 only): chunks of 16
+  micro-steps, shorter than the update as where memory is tight, with a host and a
+  device batch: a device batch's chunk is cut in one dispatch, all its leaves together,
+  so it should cost about what the host batch's transfer does.
 
 Micro-batches 8 and 64 use an MLP 64 -> 128 -> 64 (dispatch-bound); 512 a 1024-wide and
 a 2048-wide MLP (compute-bound, the issue's two). The goal: the trainer /
@@ -57,6 +61,7 @@ CASES = {
     "512": (512, 1024, 1.0),
     "512-wide": (512, 2048, 1.0),
 }
+SHORT_CHUNK = 16  # a chunk shorter than the update, as a tight memory gives
 
 
 def mlp(width: int, classes: int = 64, features: int = 64) -> tuple[Any, Callable]:
@@ -204,6 +209,14 @@ def paired(times: dict[str, list[float]], name: str, reference: str) -> dict[str
     return {"q1": q1, "median": median, "q3": q3}
 
 
+def short_chunk(times: dict[str, list[float]]) -> dict[str, Any]:
+    """A device batch against a host batch, both in chunks shorter than the update."""
+    device, host = f"trainer_device_chunk{SHORT_CHUNK}", f"trainer_chunk{SHORT_CHUNK}"
+    if device not in times:
+        return {}
+    return {"short_chunk": {"chunk": SHORT_CHUNK, "device_over_host": paired(times, device, host)}}
+
+
 def _quartiles(q: dict[str, float]) -> str:
     return f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
 
@@ -233,6 +246,11 @@ def main() -> None:
             "optax_microbatch_kept": optax_update(params, loss, m, batch, donate=False),
             "full_batch": full_update(params, loss, batch),
         }
+        if T // m > SHORT_CHUNK:
+            for name, on_device in (("trainer", False), ("trainer_device", True)):
+                variants[f"{name}_chunk{SHORT_CHUNK}"] = trainer_update(
+                    params, loss, m, batch, chunk=SHORT_CHUNK, on_device=on_device
+                )[0]
         times = measure(variants, rounds, args.per_round)
         seconds = {name: statistics.median(ts) for name, ts in times.items()}
         ratio = seconds["trainer"] / seconds["optax_microbatch"]
@@ -260,6 +278,7 @@ def main() -> None:
                 "device_batch": per_round_device,
                 "device_batch_state_kept": per_round_kept,
             },
+            **short_chunk(times),
             "goal": goal,
             "meets_goal": max(per_round["median"], per_round_device["median"]) <= goal,
         }
@@ -271,6 +290,9 @@ def main() -> None:
             f"(goal <= {goal}); against optax's step keeping its state "
             f"{_quartiles(per_round_kept)}"
         )
+        if "short_chunk" in results[case]:
+            q = results[case]["short_chunk"]["device_over_host"]
+            print(f"  chunks of {SHORT_CHUNK}: device batch / host batch {_quartiles(q)}")
     out = write_result(
         args.out,
         {

@@ -2,7 +2,8 @@
 
 Host (NumPy) batches are cut with views and moved to the device a micro-batch at a time,
 so a target batch never has to fit on the device at once. Device (jax) batches are cut
-on the device with one compiled gather per micro-batch size.
+on the device, every leaf of a micro-batch in one dispatch (a slice; a gather for a
+padded last micro-batch).
 """
 
 from __future__ import annotations
@@ -62,17 +63,17 @@ def leading_size(batch: Any, name: str = "batch") -> int:
     raise ValueError(f"the leaves of {name} disagree in leading size: {sizes}.")
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _slice(leaves: list[jax.Array], start: Any, m: int) -> list[jax.Array]:
+    return [jax.lax.dynamic_slice_in_dim(x, start, m) for x in leaves]
+
+
 @jax.jit
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    return jnp.take(x, idx, axis=0)
+def _take(leaves: list[jax.Array], idx: jax.Array) -> list[jax.Array]:
+    return [jnp.take(x, idx, axis=0) for x in leaves]
 
 
-def _rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
-    if isinstance(leaf, jax.Array):
-        if idx is None and start == 0 and m == leaf.shape[0]:
-            return leaf  # the whole batch: no copy
-        rows = idx if idx is not None else np.arange(start, start + m)
-        return _take(leaf, rows.astype(np.int32))
+def _host_rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> np.ndarray:
     leaf = np.asarray(leaf)
     if idx is None:
         return leaf[start : start + m]  # a view: nothing allocated
@@ -80,6 +81,27 @@ def _rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
         return leaf[idx]
     except MemoryError:
         raise HostOutOfMemory(leaf[:1].nbytes * m) from None
+
+
+def _cut(batch: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
+    """Rows ``start`` to ``start + m`` of every leaf (``idx``: the rows, when padded).
+
+    Host leaves are cut with NumPy; the device (jax) leaves all in one dispatch, not
+    one per leaf.
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    if len(device) < len(leaves):
+        leaves = [x if isinstance(x, jax.Array) else _host_rows(x, start, idx, m) for x in leaves]
+    if device and (idx is not None or start or m != leaves[device[0]].shape[0]):
+        arrays = [leaves[i] for i in device]
+        if idx is None:
+            arrays = _slice(arrays, np.int32(start), m)
+        else:
+            arrays = _take(arrays, idx.astype(np.int32))
+        for i, x in zip(device, arrays, strict=True):
+            leaves[i] = x
+    return treedef.unflatten(leaves)
 
 
 def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]:
@@ -107,8 +129,7 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
         if real < size:
             idx = offset + np.arange(size) % real
         mask = np.arange(size) < real
-        rows = functools.partial(_rows, start=offset, idx=idx, m=size)
-        yield MicroBatch(jax.tree.map(rows, batch), mask, offset)
+        yield MicroBatch(_cut(batch, offset, idx, size), mask, offset)
 
 
 class _Pending:

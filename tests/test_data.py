@@ -7,18 +7,22 @@ import jax_adaptive as ja
 
 @pytest.mark.parametrize("total", [1, 7, 12])
 @pytest.mark.parametrize("size", [1, 2, 5, 12])
-@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("on_device", [False, True, "id only"])
 def test_micro_batches_cover_each_row_once(total, size, on_device):
     if size > total:
         size = total
     batch = {"id": np.arange(total), "x": np.arange(total * 2, dtype=np.float32).reshape(total, 2)}
-    if on_device:
+    if on_device == "id only":  # a device leaf beside a host one: each cut its own way
+        batch["id"] = jax.device_put(batch["id"])
+    elif on_device:
         batch = jax.device_put(batch)
     seen = []
     parts = list(ja.micro_batches(batch, size))
     assert len(parts) == -(-total // size)
     for part in parts:
         ids = np.asarray(part.batch["id"])
+        assert isinstance(part.batch["id"], jax.Array) == bool(on_device)
+        assert isinstance(part.batch["x"], jax.Array) == (on_device is True)
         assert ids.shape == (size,) and part.mask.shape == (size,)
         np.testing.assert_array_equal(np.asarray(part.batch["x"])[:, 0], ids * 2)
         assert part.offset == ids[0]
