@@ -217,7 +217,7 @@ def short_chunk(times: dict[str, list[float]]) -> dict[str, Any]:
     return {"short_chunk": {"chunk": SHORT_CHUNK, "device_over_host": paired(times, device, host)}}
 
 
-def _quartiles(q: dict[str, float]) -> str:
+def quartiles(q: dict[str, float]) -> str:
     return f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
 
 
@@ -286,13 +286,13 @@ def main() -> None:
             f"micro-batch {m:4d}, width {width} (chunk {trainer.plan_info.chunk}): "
             + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in seconds.items())
             + f"; trainer/optax.microbatch per round (median [quartiles]), host batch "
-            f"{_quartiles(per_round)}, device batch {_quartiles(per_round_device)} "
+            f"{quartiles(per_round)}, device batch {quartiles(per_round_device)} "
             f"(goal <= {goal}); against optax's step keeping its state "
-            f"{_quartiles(per_round_kept)}"
+            f"{quartiles(per_round_kept)}"
         )
         if "short_chunk" in results[case]:
             q = results[case]["short_chunk"]["device_over_host"]
-            print(f"  chunks of {SHORT_CHUNK}: device batch / host batch {_quartiles(q)}")
+            print(f"  chunks of {SHORT_CHUNK}: device batch / host batch {quartiles(q)}")
     out = write_result(
         args.out,
         {

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive.oom import HostOutOfMemory
+from jax_adaptive.read_ahead import ReadAhead, Unread
 
 __all__ = [
     "MicroBatch",
@@ -133,11 +134,17 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
 
 
 class _Pending:
-    """Examples read from a stream and not yet yielded: a list of batches and their count."""
+    """Examples read from a stream and not yet yielded.
+
+    ``batches`` (``count`` examples) were taken in; ``unread`` were read ahead and handed
+    back (`jax_adaptive.read_ahead.Unread`: the batches, then the stream's error if it
+    raised one), to be taken in first by the stream's next reader.
+    """
 
     def __init__(self) -> None:
         self.batches: list[Any] = []
         self.count = 0
+        self.unread = Unread([])
 
 
 # What each source iterator has had read past the last batch yielded from it, so that a
@@ -170,11 +177,19 @@ class Rebatcher:
     called again on ``it`` goes on with the very next example. An iterable that is not
     an iterator (a list) is read afresh by each Rebatcher.
 
+    With ``read_ahead``, a background thread reads the stream that many batches ahead
+    (`jax_adaptive.read_ahead.ReadAhead`), so that the loader's host work overlaps the
+    training between two batches; `close` (or leaving a ``with`` block) stops it and
+    keeps what it read for the stream's next reader, as above.
+
     Args:
         batches: an iterable of pytrees of host arrays, any leading size (0 included).
         size: the leading size of each batch yielded. It may be set again between
             batches: `jax_adaptive.AdaptiveTrainer.fit` sets it to each update's size
             under a batch-size schedule.
+        read_ahead: how many of the stream's batches a background thread may read
+            before they are needed (0: none, the stream is read when a batch is asked
+            for). The stream is then read in that thread only.
 
     Attributes:
         consumed: examples this Rebatcher yielded (the stream position, for resuming).
@@ -188,23 +203,64 @@ class Rebatcher:
         >>> chunks = iter([np.arange(0, 5), np.arange(5, 10)])
         >>> next(Rebatcher(chunks, 4)).tolist(), next(Rebatcher(chunks, 4)).tolist()
         ([0, 1, 2, 3], [4, 5, 6, 7])
+        >>> chunks = iter([np.arange(0, 3), np.arange(3, 6), np.arange(6, 9)])
+        >>> with Rebatcher(chunks, 2, read_ahead=2) as ahead:  # read in a thread
+        ...     first = next(ahead).tolist()
+        >>> first, next(Rebatcher(chunks, 7)).tolist()  # what it read ahead was kept
+        ([0, 1], [2, 3, 4, 5, 6, 7, 8])
     """
 
-    def __init__(self, batches: Iterable[Any], size: int):
+    def __init__(self, batches: Iterable[Any], size: int, *, read_ahead: int = 0):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{size=} must be a positive int.")
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ValueError(f"{read_ahead=} must be an int >= 0.")
         self._batches = iter(batches)
-        self.size = size
+        self.size, self.read_ahead = size, read_ahead
         if self._batches is batches:  # the caller's iterator: share what waits in it
             self._pending, self._held = _pending_of(self._batches)
         else:
             self._pending, self._held = _Pending(), False
+        self._reader: ReadAhead | None = None
         self.consumed = 0
 
     @property
     def leftover(self) -> int:
-        """Examples read from the stream but not yet yielded."""
-        return self._pending.count
+        """Examples read from the stream but not yet yielded (handed back ones too)."""
+        unread = self._pending.unread.items
+        return self._pending.count + sum(leading_size(b, "a batch of the stream") for b in unread)
+
+    def __enter__(self) -> Rebatcher:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops reading ahead; what was read and not yielded stays with the stream.
+
+        It waits for the read in progress. Iterating again reads ahead again. Without
+        ``read_ahead`` there is nothing to stop.
+        """
+        if self._reader is None:
+            return
+        reader, self._reader = self._reader, None
+        self._pending.unread = reader.close()  # it started with nothing handed back
+        self._hold()
+
+    def _next_batch(self) -> Any:
+        """The stream's next batch: one handed back first, else read (ahead, or now)."""
+        unread = self._pending.unread
+        if unread.items:
+            return unread.items.pop(0)
+        if unread.error is not None:
+            self._pending.unread = Unread([])
+            raise unread.error
+        if not self.read_ahead:
+            return next(self._batches)
+        if self._reader is None:
+            self._reader = ReadAhead(self._batches, self.read_ahead)
+        return next(self._reader)
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -214,7 +270,7 @@ class Rebatcher:
         try:
             while pending.count < self.size:
                 try:
-                    batch = next(self._batches)
+                    batch = self._next_batch()
                 except StopIteration:
                     raise StopIteration from None
                 if pending.batches:
@@ -248,7 +304,7 @@ class Rebatcher:
             return
         key = id(self._batches)
         _HELD.pop(key, None)
-        if self._pending.count:
+        if self._pending.count or self._pending.unread.items or self._pending.unread.error:
             _HELD[key] = (self._batches, self._pending)
             while len(_HELD) > _HELD_MAX:
                 _HELD.popitem(last=False)

@@ -621,6 +621,7 @@ class AdaptiveTrainer:
         eval_every: int | None = None,
         eval_data: Any = None,
         metric_fn: Callable[..., Any] | None = None,
+        read_ahead: int = 2,
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
@@ -653,6 +654,12 @@ class AdaptiveTrainer:
                 batches, or a callable returning a fresh iterable each time (a
                 generator would be spent after one evaluation).
             metric_fn: the per-example metrics, as `evaluate` takes them.
+            read_ahead: how many of the stream's batches a background thread reads
+                before they are needed, while the updates run (`Rebatcher`): the
+                loader's host work then overlaps training instead of adding to it, as
+                asynchronous dispatch gives a hand-written loop. 0 reads the stream in
+                this thread, a batch when it is needed. What was read ahead and not
+                trained on stays with the stream's iterator, as above.
 
         Returns:
             The state and one metrics dict (host values) per update.
@@ -678,17 +685,18 @@ class AdaptiveTrainer:
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluation_hook(eval_every, eval_data, metric_fn, num_updates)
-        stream = Rebatcher(batches, self.target_batch_size_for(state))
+        stream = Rebatcher(batches, self.target_batch_size_for(state), read_ahead=read_ahead)
 
         def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
             state, metrics = self.step(state, batch)
             stream.size = self.target_batch_size  # the next update's (a schedule's)
             return state, metrics
 
-        state, history = fit_loop(
-            step, state, stream, num_updates, progress=progress, on_update=on_update,
-            after_update=after,
-        )  # fmt: skip
+        with stream:  # what was read ahead goes back to the stream's iterator
+            state, history = fit_loop(
+                step, state, stream, num_updates, progress=progress, on_update=on_update,
+                after_update=after,
+            )  # fmt: skip
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history

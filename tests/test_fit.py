@@ -4,6 +4,8 @@ The reference is plain optax: one jitted full-batch step per target batch, on th
 batches cut by hand from the stream of example ids.
 """
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -52,6 +54,31 @@ def test_fit_called_again_on_one_iterator_goes_on_with_the_next_example():
         assert [h["examples"] for h in history] == [T]
     assert int(state.updates) == 5
     assert_trees_close(state.params, reference(5), 1e-6)
+
+
+class Loader:
+    """The stream of `chunks` as a loader object, recording the threads it ran on."""
+
+    def __init__(self):
+        self.batches, self.threads = chunks(), set()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.threads.add(threading.get_ident())
+        return next(self.batches)
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_fit_reads_its_loader_ahead_in_a_thread_and_loses_no_example(read_ahead):
+    t, state = trainer()
+    loader = Loader()
+    for _ in range(3):  # each fit stops with batches read ahead: the next takes them first
+        state, history = t.fit(state, loader, num_updates=1, read_ahead=read_ahead)
+        assert len(history) == 1
+    assert_trees_close(state.params, reference(3), 1e-6)
+    assert (threading.get_ident() in loader.threads) == (read_ahead == 0)
 
 
 class OptimizerOutOfMemoryAt:

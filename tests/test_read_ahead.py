@@ -1,0 +1,101 @@
+"""Reading a stream ahead in a thread: it overlaps, stays bounded and loses nothing.
+
+The references are the stream itself (the ids it yields, in order) and the thread each
+item was read on. Events, not timings, show that an item was read before it was asked
+for; the waits on them have generous timeouts that only a broken reader reaches.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jax_adaptive as ja
+from jax_adaptive.read_ahead import ReadAhead
+
+WAIT = 10.0  # seconds: only a reader that does not read ahead waits this long
+
+
+class Source:
+    """An iterator of ids that records the reads: how many, on which thread, and when."""
+
+    def __init__(self, n, fail_after=None):
+        self.n, self.fail_after = n, fail_after
+        self.reads, self.threads = 0, set()
+        self.read = [threading.Event() for _ in range(n + 1)]  # read[i]: item i was read
+        self.failed = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.threads.add(threading.get_ident())
+        i = self.reads
+        if self.fail_after is not None and i == self.fail_after:
+            self.failed.set()
+            raise OSError(f"the data server went away after {i} batches")
+        if i >= self.n:
+            raise StopIteration
+        self.reads += 1
+        self.read[i].set()
+        return {"id": np.array([i])}
+
+
+def test_items_come_in_order_read_on_another_thread_then_the_end():
+    source = Source(6)
+    reader = ReadAhead(source, depth=2)
+    assert [int(item["id"][0]) for item in reader] == list(range(6))
+    assert threading.get_ident() not in source.threads
+    with pytest.raises(StopIteration):
+        next(reader)
+
+
+def test_the_next_items_are_read_while_the_consumer_works_but_no_more_than_depth():
+    source = Source(100)
+    reader = ReadAhead(source, depth=3)
+    assert int(next(reader)["id"][0]) == 0
+    # Not asked for yet: items 1 to 3 are read while this thread does something else.
+    assert source.read[3].wait(WAIT)
+    time.sleep(0.2)  # time enough for an unbounded reader to run far ahead
+    assert source.reads == 1 + 3  # the one taken, and depth ahead
+    reader.close()
+
+
+def test_close_hands_back_what_was_read_and_the_stream_goes_on_after_it():
+    source = Source(10)
+    reader = ReadAhead(source, depth=2)
+    taken = [int(next(reader)["id"][0]) for _ in range(3)]
+    assert source.read[4].wait(WAIT)  # two read ahead
+    unread = reader.close()
+    rest = [int(item["id"][0]) for item in unread.items] + [int(x["id"][0]) for x in source]
+    assert taken + rest == list(range(10))
+    assert unread.error is None
+
+
+def test_the_streams_error_comes_where_it_was_raised_after_the_items_before_it():
+    reader = ReadAhead(Source(10, fail_after=4), depth=2)
+    got = []
+    with pytest.raises(OSError, match="after 4 batches"):
+        for item in reader:
+            got.append(int(item["id"][0]))
+    assert got == [0, 1, 2, 3]
+
+
+def test_a_rebatcher_closed_with_an_error_read_ahead_raises_it_to_the_streams_next_reader():
+    source = Source(10, fail_after=5)  # ids 0..4, then the error
+    with ja.Rebatcher(source, 2, read_ahead=8) as ahead:
+        first = next(ahead)["id"].tolist()
+        assert source.failed.wait(WAIT)  # the thread read up to the error
+    assert first == [0, 1]
+    again = ja.Rebatcher(source, 2)
+    assert again.leftover == 3  # ids 2, 3, 4 were read ahead: not lost
+    assert next(again)["id"].tolist() == [2, 3]
+    with pytest.raises(OSError, match="after 5 batches"):
+        next(again)  # id 4 waits for a second example; the error comes instead
+
+
+@pytest.mark.parametrize("depth", [-1, 1.5, True, "2"])
+def test_a_bad_read_ahead_is_refused_with_its_value(depth):
+    with pytest.raises(ValueError, match=f"read_ahead={depth!r}"):
+        ja.Rebatcher([np.zeros(2)], 2, read_ahead=depth)
