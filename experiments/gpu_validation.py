@@ -94,6 +94,18 @@ The JSON file:
     ``run_decisions_per_update`` (the ``search_log`` rows decided by a real
     out-of-memory, counted after each update), ``fits_first_run`` (none at the first
     update, which ran at the planned size), ``host_bytes`` and ``loss``.
+  * ``speed``: time per update (ms, medians of interleaved rounds; ratios taken round
+    by round, ``q1``/``median``/``q3``). ``cases``: dispatch.py's MLPs (T = 1024, Adam;
+    micro-batch 8 on a 128-wide, 512 on a 2048-wide; 64 with ``--smoke``): the
+    trainer with a host and a device batch, with ``chunk=1``, and ``optax.microbatch``
+    given either batch; ``host_batch``, ``device_batch`` and ``chunk1`` are the
+    trainer's ratios to the optax step given the same batch, ``chunk`` and ``fused``
+    the plan's. ``cnn``: the zoo CNN (T = 1024, micro-batch 128) with ``chunk="auto"``
+    against ``chunk=1`` (``auto_over_one``; ``chunk_taken``: a CPU times the chunk and
+    drops it when much slower, elsewhere it is taken untimed). ``loader``:
+    loader_overlap.py's loop at micro-batch 8: ``fit`` reading ahead and not, and a
+    ``trainer.step`` loop reading ahead, each over a hand-written ``optax.microbatch``
+    loop on the same loader (``over_optax_loop``).
 """
 
 from __future__ import annotations
@@ -102,6 +114,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -120,6 +133,7 @@ CHECKS = (
     "donation_after_oom",
     "resnet50_throughput",
     "adam_ledger",
+    "speed",
 )
 CHECK_ENV: dict[str, dict[str, str]] = {
     "oom_preallocate_false": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
@@ -156,6 +170,14 @@ ADAM = {
     "gpu": {"target": 32768, "length": 256, "vocab": 2**24, "embed": 64, "width": 4096},
     "smoke": {"target": 16, "length": 32, "vocab": 4096, "embed": 8, "width": 256},
 }
+# The speed check: dispatch.py's MLP cases (micro-batch, width; T = 1024), the zoo CNN's
+# chunks (its T and micro-batch) and loader_overlap.py's loop (its micro-batch, width).
+SPEED = {
+    "gpu": {"cases": {"8": (8, 128), "512-wide": (512, 2048)}, "rounds": 11, "per_round": 3,
+            "cnn": (1024, 128), "loader": (8, 128), "loader_rounds": 5, "loader_updates": 10},
+    "smoke": {"cases": {"64": (64, 128)}, "rounds": 2, "per_round": 1,
+              "cnn": (64, 8), "loader": (64, 128), "loader_rounds": 2, "loader_updates": 2},
+}  # fmt: skip
 LOG_FIELDS = (  # adam_ledger's search_log columns
     "size", "fits", "estimated_bytes", "decided_by", "state_bytes", "in_flight_bytes",
     "program_bytes",
@@ -645,6 +667,111 @@ def child_resnet(smoke: bool, size: int | None) -> dict[str, Any]:
     return result
 
 
+def _speed_cases(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    """The trainer against ``optax.microbatch`` on dispatch.py's MLPs, into ``result``."""
+    import dispatch
+
+    for case, (m, width) in cfg["cases"].items():
+        params, loss = dispatch.mlp(width)
+        batch = dispatch.batch_of()
+        trainer_update = dispatch.trainer_update
+        update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
+        variants = {
+            "trainer": update,
+            "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[
+                0
+            ],
+            "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
+            "optax_microbatch": dispatch.optax_update(params, loss, m, batch),
+            "optax_microbatch_host": dispatch.optax_update(params, loss, m, batch, on_device=False),
+        }
+        times = dispatch.measure(variants, cfg["rounds"], cfg["per_round"])
+        result["cases"][case] = {
+            "micro_batch_size": m,
+            "hidden_width": width,
+            "chunk": trainer.plan_info.chunk,
+            "fused": trainer.plan_info.fused,
+            "ms_per_update": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+            "host_batch": dispatch.paired(times, "trainer", "optax_microbatch_host"),
+            "device_batch": dispatch.paired(times, "trainer_device", "optax_microbatch"),
+            "chunk1": dispatch.paired(times, "trainer_chunk1", "optax_microbatch_host"),
+        }
+        _emit(result)  # a timeout keeps the cases measured so far
+
+
+def _speed_cnn(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    """The zoo CNN's update with ``chunk="auto"`` against ``chunk=1``, into ``result``."""
+    import dispatch
+    import jax
+    import optax
+
+    import jax_adaptive as ja
+    from jax_adaptive import models
+
+    target, micro = cfg["cnn"]
+    model = models.CNN(num_classes=10)
+    data = jax.device_put(ja.synthetic_images(target))
+    params = model.init(jax.random.key(0), data["image"][:1])["params"]
+    variants, trainers = {}, {}
+    for chunk in ("auto", 1):
+        trainer = ja.AdaptiveTrainer(
+            models.linen_classifier_loss(model), optax.adam(1e-3), target_batch_size=target,
+            micro_batch_size=micro, chunk=chunk, has_aux=True, plan_cache=False,
+        )  # fmt: skip
+        box = [trainer.init(params, data, rng=jax.random.key(0))]
+
+        def update(trainer: ja.AdaptiveTrainer = trainer, box: list[Any] = box) -> None:
+            box[0], _ = trainer.step(box[0], data)
+            jax.block_until_ready(box[0].params)
+
+        variants[f"chunk_{chunk}"], trainers[chunk] = update, trainer
+    times = dispatch.measure(variants, cfg["rounds"], cfg["per_round"])
+    result["cnn"] = {
+        "target_batch_size": target,
+        "micro_batch_size": micro,
+        "chunk_taken": trainers["auto"].plan_info.chunk,  # a CPU times it (update.py)
+        "ms_per_update": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+        "auto_over_one": dispatch.paired(times, "chunk_auto", "chunk_1"),
+    }
+    _emit(result)
+
+
+def _speed_loader(cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    """``fit`` reading ahead, and not, against a plain loop over one loader, into ``result``."""
+    import dispatch
+    import loader_overlap
+
+    m, width = cfg["loader"]
+    params, loss = dispatch.mlp(width)
+    batches = loader_overlap.loader(dispatch.batch_of(), passes=20)
+    runs = {
+        "optax_loop": loader_overlap.optax_loop(params, loss, m),
+        **loader_overlap.trainer_runs(params, loss, m),
+    }
+    times = loader_overlap.measure(runs, batches, cfg["loader_rounds"], cfg["loader_updates"])
+    result["loader"] = {
+        "micro_batch_size": m,
+        "hidden_width": width,
+        "ms_per_update": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+        "over_optax_loop": {
+            n: dispatch.paired(times, n, "optax_loop") for n in runs if n != "optax_loop"
+        },
+    }
+
+
+def child_speed(smoke: bool, size: int | None) -> dict[str, Any]:
+    """Time per update: the trainer against a hand-written loop, chunks, reading ahead."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    cfg = SPEED["smoke" if smoke else "gpu"]
+    start = time.perf_counter()
+    result: dict[str, Any] = {"target_batch_size": 1024, "cases": {}}
+    _speed_cases(cfg, result)
+    _speed_cnn(cfg, result)
+    _speed_loader(cfg, result)
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
 def child_probe(smoke: bool, size: int | None) -> dict[str, Any]:
     """What the children run on: backend, device kind, versions, memory stats."""
     import flax
@@ -673,6 +800,7 @@ CHILDREN: dict[str, Callable[[bool, int | None], dict[str, Any]]] = {
     "donation_after_oom": child_donation,
     "resnet50_throughput": child_resnet,
     "adam_ledger": child_adam_ledger,
+    "speed": child_speed,
 }
 
 
@@ -815,6 +943,20 @@ def _summary_line(name: str, record: dict[str, Any]) -> str:
             f"ledger/trainer_peak={'n/a' if ratio is None else f'{ratio:.3f}'} "
             f"sizes={r['sizes_per_update']} fits_first_run={r['fits_first_run']}"
         )
+    if name == "speed":
+        cases = [
+            f"m={c['micro_batch_size']}: {c['host_batch']['median']:.3f}/"
+            f"{c['device_batch']['median']:.3f}"
+            for c in r["cases"].values()
+        ]
+        loader = r["loader"]["over_optax_loop"]
+        return head + (
+            "trainer/optax host/device " + ", ".join(cases)
+            + f"; cnn chunk {r['cnn']['chunk_taken']} auto/1 "
+            f"{r['cnn']['auto_over_one']['median']:.2f}; loader fit "
+            f"{loader['fit_read_ahead']['median']:.2f} (read ahead) "
+            f"{loader['fit_no_read_ahead']['median']:.2f} (not)"
+        )  # fmt: skip
     cells = [f"{row['micro_batch_size']}: {row['images_per_s']:.0f} img/s" for row in r["sizes"]]
     return head + f"{r['model']} {r['image']}px " + "; ".join(cells)
 

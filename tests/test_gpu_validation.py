@@ -23,6 +23,7 @@ CHECKS = {
     "donation_after_oom",
     "resnet50_throughput",
     "adam_ledger",
+    "speed",
 }
 
 
@@ -100,3 +101,19 @@ def test_smoke_run_validates_every_check(tmp_path):
     assert adam["fits_first_run"] is True
     assert adam["updates"] == 2 and adam["sizes_per_update"] == [size, size]
     assert adam["peak_bytes_in_use"] is None and adam["ledger_over_trainer_peak"] is None
+
+    speed = checks["speed"]["result"]
+    variants = {"trainer", "trainer_device", "trainer_chunk1", "optax_microbatch",
+                "optax_microbatch_host"}  # fmt: skip
+    for case in speed["cases"].values():
+        assert set(case["ms_per_update"]) == variants
+        assert all(ms > 0 for ms in case["ms_per_update"].values())
+        assert case["chunk"] == 1024 // case["micro_batch_size"]  # the whole update: a CPU
+        for ratio in ("host_batch", "device_batch", "chunk1"):
+            assert case[ratio]["q1"] <= case[ratio]["median"] <= case[ratio]["q3"]
+    cnn = speed["cnn"]
+    assert set(cnn["ms_per_update"]) == {"chunk_auto", "chunk_1"}
+    assert 1 <= cnn["chunk_taken"] <= cnn["target_batch_size"] // cnn["micro_batch_size"]
+    loader = speed["loader"]["over_optax_loop"]
+    assert set(loader) == {"fit_read_ahead", "fit_no_read_ahead", "step_loop_read_ahead"}
+    assert all(q["median"] > 0 for q in loader.values())
