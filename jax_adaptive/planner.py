@@ -10,17 +10,21 @@ The capacity a size's ledger is compared with is the smaller of ``memory_limit``
 device of that many bytes: the comparison is exact) and, where the device says (a GPU),
 its ``bytes_limit`` less ``headroom`` less what other live arrays held when the plan was
 made. A real out-of-memory teaches a lower capacity (`Planner.shrink`).
+
+How the size's micro-steps are dispatched (the chunk, the fused last program) is
+decided by its `jax_adaptive.chunking.Chunking`, again whenever the size, the target or
+the limit changes.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 
+from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.executables import Executable, Executables
 from jax_adaptive.memory import (
@@ -32,7 +36,7 @@ from jax_adaptive.memory import (
     usable_capacity,
 )
 from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.plan import Objective, Plan, chunk_length, least_padding_size
+from jax_adaptive.plan import Objective, Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import NothingFitsError
 from jax_adaptive.sizing import SizeSearch
@@ -42,18 +46,7 @@ __all__ = ["Planner"]
 
 log = logging.getLogger("jax_adaptive")
 
-SLOWER_CHUNK = 2.0
-"""On a CPU, a chunk whose program takes over this many times its micro-steps run one by
-one is not taken (`Planner.settle`): a chunk saves dispatches, and the slow loops it
-guards against cost 7-26 times."""
-
 GrowPolicy = Literal["never", "on_limit_change"] | int
-
-
-def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
-    """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``."""
-    measured, error = catch_oom(ledger)  # compiling may run out of memory
-    return error is None and (capacity is None or measured.total <= capacity)
 
 
 class Planner:
@@ -114,9 +107,6 @@ class Planner:
         self.memory_limit, self.headroom, self.grow = memory_limit, headroom, grow
         self.oom_retries, self.multiple_of, self.shards = oom_retries, multiple_of, shards
         self.plan_cache, self.objective, self.device = plan_cache, objective, device
-        # XLA:CPU's slow loops: a chunk is timed there, by one process (`settle`)
-        platform = getattr(device, "platform", jax.default_backend())
-        self._times_chunks = platform == "cpu" and jax.process_count() == 1
         self.memory_model = MemoryModel(prior=memory_prior)
         self.sizes = SizeSearch(
             "micro-step of",
@@ -130,11 +120,15 @@ class Planner:
         self.search_log = self.sizes.search_log
         self.throughput_log: list[dict[str, float]] = []
         self.size: int | None = None
-        self.chunk_limit = chunk
-        self._chunk: int | None = None  # decided at the size's first update
-        self._fused: bool | None = None  # the last program runs the optimizer step too
-        self._final: tuple[int, Executable] | None = None  # and that program, when it does
-        self._speed: dict[tuple, bool] = {}  # (size, chunk, fused, generation): not much slower
+        # XLA:CPU's slow loops: a chunk is timed there, by one process (`settle`)
+        platform = getattr(device, "platform", jax.default_backend())
+        self.chunking = Chunking(
+            executables,
+            ledger=self.ledger,
+            capacity=self.sizes.guide_capacity,
+            limit=chunk,
+            timed=platform == "cpu" and jax.process_count() == 1,
+        )
         self.largest: int | None = None  # the largest size that fits, when searched
         self._open = True  # no size above `largest` was tried: a larger target searches up
         self._generation = 0  # the executables' binding the memory model measured
@@ -199,9 +193,9 @@ class Planner:
             math.ceil(self.target_batch_size / self.size),
             self._peak() if known else None,
             self.capacity(),
-            self._chunk,
+            self.chunking.chunk_of,
             None if self.largest is None else min(self.largest, self.target_batch_size),
-            self._fused,
+            self.chunking.fused,
         )
 
     def _peak(self) -> Ledger:
@@ -302,150 +296,25 @@ class Planner:
         self.size = size
         self._store_plan()
         self.executables.release(keep={size})
-        self._chunk = self._fused = None
+        self.chunking.forget()
 
     @property
     def chunk(self) -> int:
-        """Micro-steps per dispatch for the size in use, decided (and compiled) once.
-
-        Every process runs the same programs: under ``jax.distributed`` the chunk is
-        the shortest any process chose (their capacities may differ).
-        """
-        if self._chunk is None:
-            self._chunk = process_min(self._chunk_for(self.size))
-        return self._chunk
-
-    def _chunk_for(self, size: int) -> int:
-        """Micro-steps per dispatch for ``size``: as few dispatches as the capacity allows.
-
-        A chunk's ledger grows by its examples only (the scan reuses one micro-step's
-        temporaries); the chosen chunk is compiled and its own ledger checked.
-        """
-        steps = math.ceil(self.target_batch_size / size)
-        if self.chunk_limit != "auto":
-            return chunk_length(steps, self.chunk_limit)
-        if steps == 1:
-            return 1
-        if self.executables.data is not None and not self.executables.per_device:
-            return 1  # a micro-step that reduces across devices: one at a time
-        capacity, most = self.sizes.guide_capacity(), steps
-        if capacity is not None:
-            base, error = catch_oom(lambda: self.ledger(size))
-            if error is not None:
-                return 1
-            spare = capacity - base.total
-            per = self.executables.in_flight * size * self.executables.example_bytes()
-            most = 1 + max(0, spare) // per
-        chunk = chunk_length(steps, most)
-        while chunk > 1:
-            # The whole update in one program: the one with the optimizer step, if it fits.
-            whole = chunk == steps and self._may_fuse(size, steps, capacity)
-            if whole or _fits(lambda c=chunk: self.ledger(size, c), capacity):
-                break
-            chunk = chunk_length(steps, chunk - 1)
-        return chunk
-
-    def settle(self, state: TrainState) -> None:
-        """At an update's start: the chunk the capacity allows, if it is not much slower.
-
-        XLA:CPU runs a convolution inside a loop (a chunk's scan) with slow kernels: the
-        Flax MNIST example's CNN runs a chunk 7-26 times slower than its micro-steps
-        dispatched one at a time (jax-ml/jax#12868). On a CPU, with one process, the
-        program the update would run (the chunk, or the whole update with the optimizer
-        step) is timed once on ``state`` and a batch of zeros against ``chunk`` runs of
-        the micro-step (the user's loss runs then, on zeros); more than `SLOWER_CHUNK`
-        times slower, the update runs one micro-step per dispatch. Elsewhere a chunk is
-        taken for the dispatches it saves, untimed.
-        """
-        if not self._times_chunks or (chunk := self.chunk) == 1:
-            return
-        final = self.final
-        fused = final is not None and final[0] == chunk
-        key = (self.size, chunk, fused, self.executables.generation)
-        if key not in self._speed:
-            self._speed[key] = self._chunk_is_faster(state, chunk, final[1] if fused else None)
-        if not self._speed[key]:
-            self._chunk, self._fused, self._final = 1, None, None
-
-    def _chunk_is_faster(self, state: TrainState, chunk: int, final: Executable | None) -> bool:
-        """Whether ``chunk`` micro-steps in one program are not much slower than one by one.
-
-        The program is ``final``, else the chunk's own; at most `SLOWER_CHUNK` times the
-        micro-steps one by one. The two are timed in turn, three times each (the fastest
-        of each counts), and a chunk found slower is timed again: a busy machine must not
-        decide. True when an out-of-memory leaves it unknown: the update meets it and
-        recovers.
-        """
-        ex, size = self.executables, self.size
-        program = final if final is not None else ex.micro(size, chunk)
-
-        def ratio() -> float:
-            ones, manys = [], []
-            for _ in range(3):
-                ones.append(ex.time_program(ex.micro(size), state, size, reps=1))
-                manys.append(ex.time_program(program, state, size, chunk, reps=1))
-            return min(manys) / (chunk * min(ones))
-
-        for _ in range(2):
-            slower, error = catch_oom(ratio)
-            if error is not None or slower <= SLOWER_CHUNK:
-                return True
-        log.warning(
-            "a program of %d micro-steps of %d took %.1f times %d micro-steps one by one "
-            "(XLA:CPU runs convolutions in a loop slowly): one micro-step per dispatch",
-            chunk, size, slower, chunk,
-        )  # fmt: skip
-        return False
+        """Micro-steps per dispatch for the size in use (`Chunking.chunk`)."""
+        return self.chunking.chunk(self.size, self.target_batch_size)
 
     @property
     def final(self) -> tuple[int, Executable] | None:
-        """The update's last program with the optimizer step in it, and its micro-steps.
+        """The update's last program with the optimizer step in it (`Chunking.final`)."""
+        return self.chunking.final(self.size, self.target_batch_size)
 
-        The last dispatch of an update (the last chunk when the chunk divides the
-        micro-steps, else a single micro-step) runs the optimizer step too, one dispatch
-        and one wait fewer per update (`Executables.final`), when its ledger fits: the
-        new state is then allocated beside the old one, which stays intact. Decided
-        (compiled) at the size's first update and again after the size or the limit
-        changes; never with several processes. None: the optimizer step runs apart.
-        """
-        if self._fused is None:
-            steps = math.ceil(self.target_batch_size / self.size)
-            last = self.chunk if steps % self.chunk == 0 else 1
-            self._fused = self._may_fuse(self.size, last, self.sizes.guide_capacity())
-            self._final = (last, self.executables.final(self.size, last)) if self._fused else None
-        return self._final
-
-    def _may_fuse(self, size: int, chunk: int, capacity: int | None) -> bool:
-        """Whether ``chunk`` micro-steps of ``size`` and the optimizer step fit one program.
-
-        Only with one process: with several, micro-steps hold no collective so that one
-        that runs out of memory leaves no other waiting (`jax_adaptive.update.Updater`),
-        and the optimizer step's reduction keeps a program of its own. The program is
-        compiled only when the micro-step's ledger and the new state, a lower bound of
-        its own, fit.
-        """
-        if jax.process_count() > 1:
-            return False
-        if capacity is not None:
-            room = capacity - self.executables.new_state_bytes()
-            if not _fits(lambda: self.ledger(size), room):
-                return False
-        return _fits(lambda: self.executables.final_ledger(size, chunk), capacity)
+    def settle(self, state: TrainState) -> None:
+        """At an update's start: the chunk, if it is not much slower (`Chunking.settle`)."""
+        self.chunking.settle(state, self.size, self.target_batch_size)
 
     def unchunk(self) -> None:
-        """After a program of several micro-steps, or the optimizer step's, ran out of memory.
-
-        From then on, for this size: one micro-step per dispatch and the optimizer
-        step apart, the least each program needs.
-        """
-        log.warning(
-            "a program of %d micro-steps of %d%s ran out of memory: one micro-step per "
-            "dispatch from now on, the optimizer step apart",
-            self.chunk,
-            self.size,
-            " and the optimizer step" if self._fused else "",
-        )
-        self._chunk, self._fused, self._final = 1, False, None
+        """After a program of several micro-steps, or the optimizer step's, ran out of memory."""
+        self.chunking.unchunk(self.size)
 
     def key(self) -> str:
         """The plan cache's key: what decides the plan, as it is now (the live limit)."""
@@ -569,9 +438,7 @@ class Planner:
             self._limit_raised = memory_limit > old
         self.memory_limit = memory_limit
         if memory_limit != old:
-            self._fused = None
-            if jax.process_count() == 1:
-                self._chunk = None
+            self.chunking.forget(chunk=jax.process_count() == 1)
 
     def shrink(self, exc: BaseException, size: int) -> int:
         """Marks ``size`` as not fitting after ``exc`` and plans a smaller one.

@@ -10,7 +10,7 @@ micro-step that survived, or starts again: nothing is lost and no example is cou
 twice.
 
 The update's last program runs the optimizer step too when the planner fused them
-(`jax_adaptive.planner.Planner.final`: its ledger fits, one process): one dispatch and
+(`jax_adaptive.chunking.Chunking.final`: its ledger fits, one process): one dispatch and
 one wait fewer. It donates what a micro-step donates, never the state, so its failure
 loses nothing either; the update then runs again with the optimizer step apart. When
 it is the whole update it starts from zeros and leaves the state's accumulator (zeros
@@ -215,7 +215,7 @@ class Updater:
         They run a chunk at a time (``planner.chunk`` micro-steps in one program), the
         update's last ones one at a time when fewer than a chunk remain; the last
         program runs the optimizer step too when the planner fused them
-        (`Planner.final`), its results then in ``p.done``. At most
+        (`jax_adaptive.chunking.Chunking.final`), its results then in ``p.done``. At most
         ``in_flight`` programs are dispatched and not finished: the next examples go to
         the device with their program, once the oldest is done (the ledger counts
         them). ``cautious`` (after an out-of-memory in this update) and a program's

@@ -18,8 +18,8 @@ from helpers import regression_batches as batches_of
 from user_model import CNN
 
 import jax_adaptive as ja
+from jax_adaptive.chunking import SLOWER_CHUNK
 from jax_adaptive.models import linen_classifier_loss
-from jax_adaptive.planner import SLOWER_CHUNK
 from jax_adaptive.testing import inject_oom
 
 T = 12
