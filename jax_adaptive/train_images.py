@@ -10,9 +10,10 @@ held-out split (`jax_adaptive.datasets.load_held_out`) every ``eval_every`` upda
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import flax.linen as nn
@@ -29,6 +30,7 @@ from jax_adaptive.datasets import (
     load_source,
 )
 from jax_adaptive.distributed import data_mesh
+from jax_adaptive.read_ahead import ReadAhead
 from jax_adaptive.run import (
     IMAGE_MODELS,
     TrainConfig,
@@ -380,13 +382,16 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
             done = int(state.updates)
             trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
     print(_plan_line(trainer, search, done, config.batch_schedule), file=out)
-    T = trainer.target_batch_size
-    batches = ShuffledBatches(source, T, seed=config.seed, start=position)
+    batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
+    # The next updates' batches are drawn in a thread while an update runs.
+    ahead = ReadAhead(_scheduled(batches, trainer.schedule, done), depth=2)
+    consumed = [position]  # the stream's position after the last batch trained on
 
     def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
-        batches.batch_size = T = trainer.target_batch_size  # of the state it returned last
-        state, metrics = trainer.step(state, next(batches))
+        T = trainer.target_batch_size  # of the state it returned last
+        batch, consumed[0] = next(ahead)
+        state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
         scheduled = {} if config.batch_schedule is None else {"target_batch_size": T}
@@ -397,12 +402,26 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
             "examples": T, "examples_per_s": T / seconds, "seconds": seconds,
         }  # fmt: skip
 
-    state, lines = host_loop(
-        step, state, config, done=done, updates=updates, describe=_image_line,
-        plans=lambda: {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]},
-        workdir=workdir, position=lambda: batches.position, out=out, evaluate=evaluate,
-    )  # fmt: skip
+    def plans() -> dict[str, Any]:
+        return {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]}
+
+    try:
+        state, lines = host_loop(
+            step, state, config, done=done, updates=updates, describe=_image_line, plans=plans,
+            workdir=workdir, position=lambda: consumed[0], out=out, evaluate=evaluate,
+        )  # fmt: skip
+    finally:
+        ahead.close()  # a resumed run draws the batches read ahead again, from the position
     return _summary(trainer, search, lines)
+
+
+def _scheduled(
+    batches: ShuffledBatches, schedule: Callable[[int], int], done: int
+) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """From update ``done`` on: each update's batch and the stream's position after it."""
+    for updates in itertools.count(done):
+        batches.batch_size = schedule(updates)
+        yield next(batches), batches.position
 
 
 def _updates_in(examples: float, schedule: Any) -> int:

@@ -21,6 +21,7 @@ from jax_adaptive.buckets import BucketedTrainer, bucket_batches, pow2_buckets
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
+from jax_adaptive.read_ahead import ReadAhead
 from jax_adaptive.run import (
     TrainConfig,
     Workdir,
@@ -97,7 +98,7 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
     params = model.init(jax.random.key(config.seed), jnp.asarray(first["tokens"][None]))["params"]
     state = trainer.init(params, first, rng=jax.random.key(config.seed))
     sizes = {bucket: trainer.examples_per_update(bucket) for bucket in trainer.buckets}
-    batches = bucket_batches(sequences, sizes)
+    batches = ReadAhead(bucket_batches(sequences, sizes), depth=2)  # drawn while updates run
     printed = 0
     start = time.perf_counter()
 
@@ -120,10 +121,13 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
             "accumulation_steps": int(metrics["accumulation_steps"]),
         }  # fmt: skip
 
-    _, lines = host_loop(
-        step, state, config, done=0, updates=config.updates, describe=_gpt_line,
-        plans=lambda: _plans(trainer), workdir=workdir, out=out,
-    )  # fmt: skip
+    try:
+        _, lines = host_loop(
+            step, state, config, done=0, updates=config.updates, describe=_gpt_line,
+            plans=lambda: _plans(trainer), workdir=workdir, out=out,
+        )  # fmt: skip
+    finally:
+        batches.close()
     seconds = time.perf_counter() - start
     tokens = sum(line["tokens"] for line in lines)
     padded = sum(line["padded_tokens"] for line in lines)
