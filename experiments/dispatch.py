@@ -109,6 +109,25 @@ def trainer_update(params, loss, m: int, batch, *, chunk: int | str, on_device: 
     return update, trainer
 
 
+def against_optax(
+    params: Any, loss: Callable, m: int, batch: dict[str, np.ndarray]
+) -> tuple[dict[str, Callable[[], None]], ja.AdaptiveTrainer]:
+    """The trainer and ``optax.microbatch`` at micro-batch ``m``, as ``variants``.
+
+    The trainer with a host and a device batch and with ``chunk=1``, optax's step given
+    either batch; and the trainer of ``"trainer"``. `gpu_validation.py` runs them too.
+    """
+    update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
+    variants = {
+        "trainer": update,
+        "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[0],
+        "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
+        "optax_microbatch": optax_update(params, loss, m, batch),
+        "optax_microbatch_host": optax_update(params, loss, m, batch, on_device=False),
+    }
+    return variants, trainer
+
+
 def program_update(trainer, params, batch) -> Callable[[], None]:
     """The trainer's fused program of the whole update, called directly (no host work).
 
@@ -136,13 +155,11 @@ def program_update(trainer, params, batch) -> Callable[[], None]:
     return update
 
 
-def jitted_update(
-    params, batch, grads_of: Callable, on_device: bool = True, donate: bool = True
-) -> Callable[[], None]:
-    """One jitted Adam update per call from ``grads_of(params, batch)``.
+def adam_step(grads_of: Callable, donate: bool = True) -> tuple[Callable, Any]:
+    """A jitted Adam step ``(params, opt_state, batch)`` from ``grads_of(params, batch)``.
 
     The parameters and the optimizer state are donated, as a hand-written loop donates
-    them, unless ``donate`` is False.
+    them, unless ``donate`` is False. Returns the step and the optimizer.
     """
     optimizer = optax.adam(1e-3)
 
@@ -150,7 +167,14 @@ def jitted_update(
         updates, opt_state = optimizer.update(grads_of(p, b), opt_state, p)
         return optax.apply_updates(p, updates), opt_state
 
-    step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ()), optimizer
+
+
+def jitted_update(
+    params, batch, grads_of: Callable, on_device: bool = True, donate: bool = True
+) -> Callable[[], None]:
+    """One `adam_step` per call on ``batch``, waited for."""
+    step, optimizer = adam_step(grads_of, donate)
     box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
     data = jax.device_put(batch) if on_device else batch
 
@@ -161,7 +185,7 @@ def jitted_update(
     return update
 
 
-def optax_update(params, loss, m: int, batch, on_device: bool = True, donate: bool = True):
+def microbatch_grads(loss: Callable, m: int) -> Callable:
     """``optax.microbatch``: its in-jit loop over micro-batches of ``m`` (``m`` divides T)."""
 
     def grads_of(p, b):
@@ -171,7 +195,12 @@ def optax_update(params, loss, m: int, batch, on_device: bool = True, donate: bo
         grads = optax.microbatch(grad_sum, argnums=1, microbatch_size=m)(p, b)
         return jax.tree.map(lambda g: g / T, grads)
 
-    return jitted_update(params, batch, grads_of, on_device, donate)
+    return grads_of
+
+
+def optax_update(params, loss, m: int, batch, on_device: bool = True, donate: bool = True):
+    """A jitted step around `microbatch_grads` on ``batch``."""
+    return jitted_update(params, batch, microbatch_grads(loss, m), on_device, donate)
 
 
 def full_update(params, loss, batch):
@@ -233,16 +262,9 @@ def main() -> None:
     for case, (m, width, goal) in CASES.items():
         params, loss = mlp(width)
         batch = batch_of()
-        update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
-        variants = {
-            "trainer": update,
-            "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[
-                0
-            ],
-            "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
+        variants, trainer = against_optax(params, loss, m, batch)
+        variants |= {
             "trainer_program": program_update(trainer, params, batch),
-            "optax_microbatch": optax_update(params, loss, m, batch),
-            "optax_microbatch_host": optax_update(params, loss, m, batch, on_device=False),
             "optax_microbatch_kept": optax_update(params, loss, m, batch, donate=False),
             "full_batch": full_update(params, loss, batch),
         }

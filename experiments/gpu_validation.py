@@ -673,18 +673,7 @@ def _speed_cases(cfg: dict[str, Any], result: dict[str, Any]) -> None:
 
     for case, (m, width) in cfg["cases"].items():
         params, loss = dispatch.mlp(width)
-        batch = dispatch.batch_of()
-        trainer_update = dispatch.trainer_update
-        update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
-        variants = {
-            "trainer": update,
-            "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[
-                0
-            ],
-            "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
-            "optax_microbatch": dispatch.optax_update(params, loss, m, batch),
-            "optax_microbatch_host": dispatch.optax_update(params, loss, m, batch, on_device=False),
-        }
+        variants, trainer = dispatch.against_optax(params, loss, m, dispatch.batch_of())
         times = dispatch.measure(variants, cfg["rounds"], cfg["per_round"])
         result["cases"][case] = {
             "micro_batch_size": m,

@@ -30,8 +30,8 @@ compute-bound). Interleaved rounds of ``--updates`` updates per variant; ratios 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from common import grouped_bars, pyplot, save_figure, write_result
-from dispatch import T, batch_of, mlp, paired, quartiles
+from dispatch import T, adam_step, batch_of, microbatch_grads, mlp, paired, quartiles
+from dispatch import measure as dispatch_measure
 
 import jax_adaptive as ja
 
@@ -59,18 +60,8 @@ def loader(base: dict[str, np.ndarray], passes: int, seed: int = 1) -> Iterator[
 
 
 def optax_loop(params: Any, loss: Callable, m: int) -> Callable[[Iterator, int], None]:
-    """The hand-written loop: a jitted donating step around ``optax.microbatch``."""
-    optimizer = optax.adam(1e-3)
-
-    def step(p, opt_state, batch):
-        def grad_sum(p, micro):
-            return jax.grad(lambda q: loss(q, micro).sum())(p)
-
-        grads = optax.microbatch(grad_sum, argnums=1, microbatch_size=m)(p, batch)
-        updates, opt_state = optimizer.update(jax.tree.map(lambda g: g / T, grads), opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
+    """The hand-written loop: dispatch.py's donating step around ``optax.microbatch``."""
+    step, optimizer = adam_step(microbatch_grads(loss, m))
     box = [jax.tree.map(jnp.array, params), optimizer.init(params)]
 
     def run(batches: Iterator, n: int) -> None:
@@ -113,17 +104,9 @@ def loader_alone(batches: Iterator, n: int) -> None:
 
 
 def measure(runs: dict[str, Callable], batches: Iterator, rounds: int, n: int) -> dict[str, list]:
-    """Seconds per update of each variant in each interleaved, rotated round."""
-    for run in runs.values():  # warm-up: compiles, first runs
-        run(batches, 2)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            runs[name](batches, n)
-            times[name].append((time.perf_counter() - start) / n)
-    return times
+    """Seconds per update of each variant in each of `dispatch.measure`'s rounds of ``n``."""
+    calls = {name: functools.partial(run, batches, n) for name, run in runs.items()}
+    return {name: [t / n for t in ts] for name, ts in dispatch_measure(calls, rounds, 1).items()}
 
 
 def main() -> None:

@@ -25,9 +25,16 @@ from jax_adaptive.oom import catch_oom
 from jax_adaptive.plan import chunk_length
 from jax_adaptive.step import TrainState
 
-__all__ = ["SLOWER_CHUNK", "Chunking", "fits"]
+__all__ = ["SLOWER_CHUNK", "Chunking"]
 
 log = logging.getLogger("jax_adaptive")
+
+
+class _Undecided:
+    """The fused last program before it is decided."""
+
+
+_UNDECIDED = _Undecided()
 
 SLOWER_CHUNK = 2.0
 """On a CPU, a chunk whose program takes over this many times its micro-steps run one by
@@ -35,12 +42,12 @@ one is not taken (`Chunking.settle`): a chunk saves dispatches, and the slow loo
 guards against cost 7-26 times."""
 
 
-def fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
+def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
     """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``.
 
     Example:
         >>> from jax_adaptive.memory import Ledger
-        >>> fits(lambda: Ledger(state=6, in_flight=2, program=2), capacity=10)
+        >>> _fits(lambda: Ledger(state=6, in_flight=2, program=2), capacity=10)
         True
     """
     measured, error = catch_oom(ledger)  # compiling may run out of memory
@@ -82,16 +89,21 @@ class Chunking:
         self.executables, self.limit, self.timed = executables, limit, timed
         self._ledger, self._capacity = ledger, capacity
         self.chunk_of: int | None = None  # decided at the size's first update
-        self.fused: bool | None = None  # the last program runs the optimizer step too
-        self._final: tuple[int, Executable] | None = None  # and that program, when it does
+        # The last program with the optimizer step in it (None: apart), once decided.
+        self._final: tuple[int, Executable] | _Undecided | None = _UNDECIDED
         self._speed: dict[tuple, bool] = {}  # (size, chunk, fused, generation): not slower
+
+    @property
+    def fused(self) -> bool | None:
+        """Whether the update's last program runs the optimizer step too (None: undecided)."""
+        return None if self._final is _UNDECIDED else self._final is not None
 
     def forget(self, chunk: bool = True) -> None:
         """Decides again at the next update: the size, the target or the limit changed.
 
         ``chunk=False`` keeps the chunk (several processes agreed on it together).
         """
-        self.fused = None
+        self._final = _UNDECIDED
         if chunk:
             self.chunk_of = None
 
@@ -130,7 +142,7 @@ class Chunking:
         while chunk > 1:
             # The whole update in one program: the one with the optimizer step, if it fits.
             whole = chunk == steps and self._may_fuse(size, steps, capacity)
-            if whole or fits(lambda c=chunk: self._ledger(size, c), capacity):
+            if whole or _fits(lambda c=chunk: self._ledger(size, c), capacity):
                 break
             chunk = chunk_length(steps, chunk - 1)
         return chunk
@@ -145,11 +157,11 @@ class Chunking:
         (compiled) at the size's first update and again after the size or the limit
         changes; never with several processes. None: the optimizer step runs apart.
         """
-        if self.fused is None:
+        if self._final is _UNDECIDED:
             steps, chunk = math.ceil(T / size), self.chunk(size, T)
             last = chunk if steps % chunk == 0 else 1
-            self.fused = self._may_fuse(size, last, self._capacity())
-            self._final = (last, self.executables.final(size, last)) if self.fused else None
+            fused = self._may_fuse(size, last, self._capacity())
+            self._final = (last, self.executables.final(size, last)) if fused else None
         return self._final
 
     def _may_fuse(self, size: int, chunk: int, capacity: int | None) -> bool:
@@ -165,9 +177,9 @@ class Chunking:
             return False
         if capacity is not None:
             room = capacity - self.executables.new_state_bytes()
-            if not fits(lambda: self._ledger(size, 1), room):
+            if not _fits(lambda: self._ledger(size, 1), room):
                 return False
-        return fits(lambda: self.executables.final_ledger(size, chunk), capacity)
+        return _fits(lambda: self.executables.final_ledger(size, chunk), capacity)
 
     def settle(self, state: TrainState, size: int, T: int) -> None:
         """At an update's start: the chunk the capacity allows, if it is not much slower.
@@ -190,7 +202,7 @@ class Chunking:
             program = final[1] if fused else self.executables.micro(size, chunk)
             self._speed[key] = self._not_slower(state, size, chunk, program)
         if not self._speed[key]:
-            self.chunk_of, self.fused, self._final = 1, None, None
+            self.chunk_of, self._final = 1, _UNDECIDED  # the last program decided anew
 
     def _not_slower(self, state: TrainState, size: int, chunk: int, program: Executable) -> bool:
         """Whether ``program`` (``chunk`` micro-steps) is not much slower than one by one.
@@ -233,4 +245,4 @@ class Chunking:
             size,
             " and the optimizer step" if self.fused else "",
         )
-        self.chunk_of, self.fused, self._final = 1, False, None
+        self.chunk_of, self._final = 1, None

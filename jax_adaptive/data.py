@@ -146,6 +146,10 @@ class _Pending:
         self.count = 0
         self.unread = Unread([])
 
+    def __bool__(self) -> bool:
+        """Whether anything waits: examples taken in, or batches or an error handed back."""
+        return bool(self.count or self.unread.items or self.unread.error)
+
 
 # What each source iterator has had read past the last batch yielded from it, so that a
 # later Rebatcher of the same iterator (a second ``fit`` on it) yields it first. Weakly
@@ -304,7 +308,7 @@ class Rebatcher:
             return
         key = id(self._batches)
         _HELD.pop(key, None)
-        if self._pending.count or self._pending.unread.items or self._pending.unread.error:
+        if self._pending:
             _HELD[key] = (self._batches, self._pending)
             while len(_HELD) > _HELD_MAX:
                 _HELD.popitem(last=False)

@@ -564,13 +564,6 @@ class Executables:
 
     # ------------------------------------------------------------ timing
 
-    def time_micro_step(self, size: int, state: TrainState, reps: int = 3) -> float:
-        """The fastest of ``reps`` runs of the micro-step for ``size`` on zeros, in seconds.
-
-        Out-of-memory errors propagate: the caller decides what they mean.
-        """
-        return self.time_program(self.micro(size), state, size, reps=reps)
-
     def time_program(
         self, executable: Executable, state: TrainState, size: int, chunk: int = 1, reps: int = 3
     ) -> float:
@@ -582,21 +575,21 @@ class Executables:
         """
         structs = self.micro_structs(size, chunk)
         w = structs.weights
+        fixed = structs._replace(  # what the program reads and does not donate
+            params=state.params,
+            opt_state=state.opt_state._replace(acc_grads=None),
+            model_state=state.model_state,
+            batch=zeros(structs.batch),
+            weights=jnp.ones(w.shape, w.dtype, device=w.sharding),
+            rng=state.rng,
+            offset=np.int32(0),
+            k=np.int32(chunk + 1),
+            target=np.int32(self.target_batch_size),
+        )
         seconds = []
         for _ in range(reps + 1):  # the first run warms up
-            args = structs._replace(
-                params=state.params,
-                opt_state=state.opt_state._replace(acc_grads=None),
-                acc_grads=zeros(structs.acc_grads),
-                model_state=state.model_state,
-                totals=zeros(structs.totals),
-                batch=zeros(structs.batch),
-                weights=jnp.ones(w.shape, w.dtype, device=w.sharding),
-                rng=state.rng,
-                offset=np.int32(0),
-                k=np.int32(chunk + 1),
-                target=np.int32(self.target_batch_size),
-            )
+            # The accumulator and the totals are donated: fresh ones each run.
+            args = fixed._replace(acc_grads=zeros(structs.acc_grads), totals=zeros(structs.totals))
             start = time.perf_counter()
             jax.block_until_ready(executable.compiled(*args))
             seconds.append(time.perf_counter() - start)

@@ -370,7 +370,7 @@ class Planner:
         Candidates: ``largest`` and ``ceil(T / k)`` for the three smallest ``k`` it
         allows (the same micro-steps with less padding, or one or two more).
         """
-        T, multiple = self.target_batch_size, self._multiple
+        T, multiple, ex = self.target_batch_size, self._multiple, self.executables
         k = math.ceil(T / largest)
         fewest = (
             min(largest, -(-math.ceil(T / j) // multiple) * multiple) for j in range(k, k + 3)
@@ -381,7 +381,7 @@ class Planner:
             if capacity is not None and self.ledger(size).total > capacity:
                 continue
             seconds, error = catch_oom(
-                lambda size=size: self.executables.time_micro_step(size, state)
+                lambda size=size: ex.time_program(ex.micro(size), state, size)
             )
             if error is not None:
                 continue  # a real out-of-memory: not a candidate

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,6 +27,7 @@ import tqdm
 from jax_adaptive import models
 from jax_adaptive.checkpoint import Checkpoints
 from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE
+from jax_adaptive.read_ahead import ReadAhead
 from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -446,8 +447,9 @@ def _due(update: int, every: int, last: int) -> bool:
 
 
 def host_loop(
-    step: Callable[[TrainState], tuple[TrainState, dict[str, Any]]],
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
     state: TrainState,
+    batches: Iterator[Any],
     config: TrainConfig,
     *,
     done: int,
@@ -461,10 +463,16 @@ def host_loop(
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs updates ``done + 1`` to ``updates``, logging, checkpointing and printing each.
 
+    The next batches are read ahead in a background thread while an update runs
+    (`jax_adaptive.read_ahead.ReadAhead`, two at most), so that drawing them (reading,
+    decoding each example) does not add to the update's time.
+
     Args:
-        step: one update from a state: the new state and its metrics line (host values
-            with at least ``loss``, ``micro_batch_size`` and ``accumulation_steps``).
+        step: one update from a state and the next item of ``batches``: the new state
+            and its metrics line (host values with at least ``loss``,
+            ``micro_batch_size`` and ``accumulation_steps``).
         state: the state after ``done`` updates.
+        batches: what each update takes, in order (read in that thread only).
         config: ``progress`` and ``checkpoint_every`` are read.
         done: updates already done (a resumed run's).
         updates: the last update.
@@ -472,7 +480,8 @@ def host_loop(
         plans: the arguments of `Workdir.write_plan`, asked before the first update and
             after each (``plan.json`` is rewritten when they changed).
         workdir: where to log, checkpoint and write the plans, if anywhere.
-        position: the data stream's position, saved with each checkpoint.
+        position: the data stream's position after the batches trained on, saved with
+            each checkpoint (not the reader's, which is ahead).
         out: where the lines go (default stdout).
         evaluate: held-out metrics of a state (``eval_*`` keys), added to the line of
             every ``config.eval_every``-th update and of the last, before it is
@@ -483,10 +492,10 @@ def host_loop(
 
     Example:
         >>> import io
-        >>> step = lambda s: (s + 1, {"loss": 1.0 / (s + 1), "micro_batch_size": 4,
-        ...                           "accumulation_steps": 2})
-        >>> state, lines = host_loop(step, 0, TrainConfig(progress=False), done=0, updates=2,
-        ...                          describe=lambda m: f"update {m['update']}",
+        >>> step = lambda s, b: (s + b, {"loss": 1.0 / (s + b), "micro_batch_size": 4,
+        ...                              "accumulation_steps": 2})
+        >>> state, lines = host_loop(step, 0, iter([1, 1]), TrainConfig(progress=False),
+        ...                          done=0, updates=2, describe=lambda m: f"update {m['update']}",
         ...                          plans=dict, out=io.StringIO())
         >>> state, [m["loss"] for m in lines]
         (2, [1.0, 0.5])
@@ -494,12 +503,13 @@ def host_loop(
     out = out or sys.stdout
     lines: list[dict[str, Any]] = []
     bar = tqdm.tqdm(total=updates, initial=done, disable=not config.progress, unit="update")
+    ahead = ReadAhead(batches, depth=2)
     try:
         if workdir is not None:
             workdir.start(done)  # the lines of updates about to be redone go
             workdir.write_plan(**plans())
         for update in range(done + 1, updates + 1):
-            state, metrics = step(state)
+            state, metrics = step(state, next(ahead))
             lines.append({"update": update, **metrics})
             if evaluate is not None and _due(update, config.eval_every, updates):
                 lines[-1].update(evaluate(state))
@@ -512,6 +522,7 @@ def host_loop(
             bar.update()
             tqdm.tqdm.write(describe(lines[-1]), file=out)
     finally:
+        ahead.close()  # a resumed run draws the batches read ahead again, from the position
         bar.close()
     return state, lines
 

@@ -30,7 +30,6 @@ from jax_adaptive.datasets import (
     load_source,
 )
 from jax_adaptive.distributed import data_mesh
-from jax_adaptive.read_ahead import ReadAhead
 from jax_adaptive.run import (
     IMAGE_MODELS,
     TrainConfig,
@@ -383,14 +382,14 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
             trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
     print(_plan_line(trainer, search, done, config.batch_schedule), file=out)
     batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
-    # The next updates' batches are drawn in a thread while an update runs.
-    ahead = ReadAhead(_scheduled(batches, trainer.schedule, done), depth=2)
     consumed = [position]  # the stream's position after the last batch trained on
 
-    def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    def step(
+        state: TrainState, drawn: tuple[dict[str, np.ndarray], int]
+    ) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
         T = trainer.target_batch_size  # of the state it returned last
-        batch, consumed[0] = next(ahead)
+        batch, consumed[0] = drawn
         state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
@@ -405,13 +404,11 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     def plans() -> dict[str, Any]:
         return {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]}
 
-    try:
-        state, lines = host_loop(
-            step, state, config, done=done, updates=updates, describe=_image_line, plans=plans,
-            workdir=workdir, position=lambda: consumed[0], out=out, evaluate=evaluate,
-        )  # fmt: skip
-    finally:
-        ahead.close()  # a resumed run draws the batches read ahead again, from the position
+    state, lines = host_loop(
+        step, state, _scheduled(batches, trainer.schedule, done), config, done=done,
+        updates=updates, describe=_image_line, plans=plans, workdir=workdir,
+        position=lambda: consumed[0], out=out, evaluate=evaluate,
+    )  # fmt: skip
     return _summary(trainer, search, lines)
 
 

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jax_adaptive.buckets import BucketedTrainer, bucket_batches, pow2_buckets
+from jax_adaptive.buckets import BucketBatch, BucketedTrainer, bucket_batches, pow2_buckets
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
-from jax_adaptive.read_ahead import ReadAhead
 from jax_adaptive.run import (
     TrainConfig,
     Workdir,
@@ -98,13 +97,13 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
     params = model.init(jax.random.key(config.seed), jnp.asarray(first["tokens"][None]))["params"]
     state = trainer.init(params, first, rng=jax.random.key(config.seed))
     sizes = {bucket: trainer.examples_per_update(bucket) for bucket in trainer.buckets}
-    batches = ReadAhead(bucket_batches(sequences, sizes), depth=2)  # drawn while updates run
+    batches = bucket_batches(sequences, sizes)
     printed = 0
     start = time.perf_counter()
 
-    def step(state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    def step(state: TrainState, batch: BucketBatch) -> tuple[TrainState, dict[str, Any]]:
         nonlocal printed
-        state, metrics = trainer.step(state, next(batches))
+        state, metrics = trainer.step(state, batch)
         metrics = jax.device_get(metrics)
         for entry in trainer.bucket_log[printed:]:  # the buckets planned since the last
             tqdm.tqdm.write(
@@ -121,13 +120,10 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
             "accumulation_steps": int(metrics["accumulation_steps"]),
         }  # fmt: skip
 
-    try:
-        _, lines = host_loop(
-            step, state, config, done=0, updates=config.updates, describe=_gpt_line,
-            plans=lambda: _plans(trainer), workdir=workdir, out=out,
-        )  # fmt: skip
-    finally:
-        batches.close()
+    _, lines = host_loop(
+        step, state, batches, config, done=0, updates=config.updates, describe=_gpt_line,
+        plans=lambda: _plans(trainer), workdir=workdir, out=out,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = sum(line["tokens"] for line in lines)
     padded = sum(line["padded_tokens"] for line in lines)
