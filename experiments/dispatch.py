@@ -131,20 +131,20 @@ def against_optax(
 def program_update(trainer, params, batch) -> Callable[[], None]:
     """The trainer's fused program of the whole update, called directly (no host work).
 
-    Its arguments follow `ja.make_micro_step`'s convention; the totals it donates are
-    fresh each call, as the trainer's update makes them.
+    Its arguments follow `ja.make_micro_step`'s convention; the totals' zeros and the
+    scalars are on the device, made once, as the trainer's update keeps them.
     """
     chunk = trainer.accumulation_steps
     program = trainer.compile(trainer.micro_batch_size, chunk, with_optimizer_step=True)
     state = trainer.init(params, batch)
     data, weights = jax.device_put(batch), jax.device_put(np.ones(T, np.float32))
+    totals = jax.device_put({"loss": np.zeros((), np.float32)})
+    offset, k, target = jax.device_put((np.int32(0), np.int32(chunk + 1), np.int32(T)))
     box = [state]
 
     def update() -> None:
         s = box[0]
         opt = s.opt_state._replace(acc_grads=None)
-        totals = {"loss": np.zeros((), np.float32)}
-        k, offset, target = np.int32(chunk + 1), np.int32(0), np.int32(T)
         args = (s.params, opt, s.opt_state.acc_grads, s.model_state, totals, data, weights)
         params, opt_state, _, _ = program(*args, s.rng, offset, k, target)
         # The whole update's program leaves the state's accumulator, zeros, unread.

@@ -69,7 +69,7 @@ class MicroArgs(NamedTuple):
     target: Any = None  # the update's target batch size T: a runtime int32
 
 
-DONATED = ("acc_grads", "totals")
+DONATED = ("acc_grads",)
 """The micro-step's donated arguments: a failed run may delete these, never the state."""
 
 
@@ -585,11 +585,11 @@ class Executables:
             offset=np.int32(0),
             k=np.int32(chunk + 1),
             target=np.int32(self.target_batch_size),
+            totals=zeros(structs.totals),
         )
         seconds = []
         for _ in range(reps + 1):  # the first run warms up
-            # The accumulator and the totals are donated: fresh ones each run.
-            args = fixed._replace(acc_grads=zeros(structs.acc_grads), totals=zeros(structs.totals))
+            args = fixed._replace(acc_grads=zeros(structs.acc_grads))  # donated: fresh each run
             start = time.perf_counter()
             jax.block_until_ready(executable.compiled(*args))
             seconds.append(time.perf_counter() - start)

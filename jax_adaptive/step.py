@@ -7,7 +7,7 @@ all through ``optax.MultiSteps`` with ``use_grad_mean=False`` and ``k = n + 1``:
   runtime argument, so a batch-size schedule compiles nothing new) computes the gradient
   of ``sum(weights * losses) / T`` on one micro-batch (a weight of 0 masks a padding row)
   and adds it to the accumulator with ``MultiSteps.update``. It donates only the
-  accumulator and the running totals; the parameters, the inner optimizer state and the
+  accumulator; the parameters, the inner optimizer state and the
   model state are read, never donated, so a micro-step that fails (an out-of-memory)
   leaves them alive (DESIGN.md: a failed donating call deletes its donated inputs). It
   returns only what changes in a micro-step, so XLA drops the inner optimizer's work
@@ -209,7 +209,7 @@ def make_micro_step(
     has_state: bool = False,
     on_trace: Callable[[int], None] | None = None,
 ) -> Callable[..., Any]:
-    """Builds the micro-step, to be jitted with ``donate_argnames=("acc_grads", "totals")``.
+    """Builds the micro-step, to be jitted with ``donate_argnames="acc_grads"``.
 
     Its arguments are ``(params, opt_state, acc_grads, model_state, totals, batch, weights,
     rng, offset, k, target=None)``, where ``opt_state`` is the ``MultiStepsState`` with
@@ -219,13 +219,14 @@ def make_micro_step(
     index of the micro-batch's first example in the target batch and ``k`` the
     ``MultiSteps`` period; ``target`` is the update's target batch size ``T`` (a traced
     int: one compiled program serves every ``T``), by default ``target_batch_size``.
-    It returns ``(acc_grads, mini_step, model_state, totals)``.
+    It returns ``(acc_grads, mini_step, model_state, totals)``. The totals are a few
+    scalars: not donated, one set of device zeros can start every update.
 
     Example:
         >>> import optax
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
         >>> step = jax.jit(make_micro_step(loss, optax.sgd(0.1), 4),
-        ...                donate_argnames=("acc_grads", "totals"))
+        ...                donate_argnames="acc_grads")
         >>> params = {"w": jnp.ones(())}
         >>> opt = multi_steps(optax.sgd(0.1), 3).init(params)
         >>> batch = {"x": jnp.ones(2), "y": jnp.zeros(2)}
@@ -321,7 +322,7 @@ def with_optimizer_step(
     reading ``acc_grads`` (its shape alone), and the result's ``opt_state`` has
     ``acc_grads=None``: between updates the state's accumulator is zeros (what
     ``MultiSteps`` leaves), so the caller keeps it as the new state's, and no
-    state-sized tree of zeros is written per update. Jit it donating ``totals`` only.
+    state-sized tree of zeros is written per update. Jit it donating nothing.
 
     Example:
         >>> import optax

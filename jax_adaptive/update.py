@@ -4,10 +4,13 @@
 ``in_flight`` micro-steps dispatched and not finished (1 by default; each holds its
 micro-batch, as the ledger counts), and applies the optimizer once. An out-of-memory
 in any micro-step (real, or simulated by the capacity) leaves the parameters, the
-optimizer state and the model state alive (the micro-step donates only the accumulator
-and the totals), so the planner shrinks the size and the update goes on from the last
+optimizer state and the model state alive (the micro-step donates only the
+accumulator), so the planner shrinks the size and the update goes on from the last
 micro-step that survived, or starts again: nothing is lost and no example is counted
 twice.
+
+What every update passes the same (the totals' zeros, the offsets, ``k`` and ``T``)
+lives on the device, made once: a host argument is a transfer in every call.
 
 The update's last program runs the optimizer step too when the planner fused them
 (`jax_adaptive.chunking.Chunking.final`: its ledger fits, one process): one dispatch and
@@ -146,7 +149,8 @@ class Updater:
         self._ran: set[tuple[int, int, bool]] = set()  # (size, chunk, fused) that completed one
         self._optimizer_ran: set[bool] = set()
         self._generation = -1  # the executables' binding the fields above are about
-        self._zero_totals: Any = None  # read-only host zeros: each call transfers a copy
+        self._zero_totals: Any = None  # device zeros, never donated: every update starts from them
+        self._ints: dict[int, jax.Array] = {}  # device int32 scalars the programs take
 
     @property
     def T(self) -> int:
@@ -164,9 +168,7 @@ class Updater:
             self._generation = self.executables.generation
             self._ran.clear()
             self._optimizer_ran.clear()
-            self._zero_totals = jax.tree.map(
-                lambda s: _read_only(np.zeros(s.shape, s.dtype)), self.executables.totals_struct
-            )
+            self._zero_totals = zeros(self.executables.totals_struct)
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
         progress = self._fresh(state)
@@ -206,7 +208,6 @@ class Updater:
             acc = zeros(ex.acc_struct)
         elif _is_deleted(acc):  # donated to a micro-step that failed
             acc = zeros(ex.acc_struct)
-        # Host zeros: the program's call transfers them, no dispatch of their own.
         return _Progress(acc, state.opt_state.mini_step, state.model_state, self._zero_totals)
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
@@ -227,7 +228,7 @@ class Updater:
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         cautious = cautious or (size, chunk, final is not None) not in self._ran
         remaining = math.ceil((T - p.offset) / size)
-        k = np.int32(p.steps + remaining + 1)  # never emits: the optimizer step does
+        k = self._int(p.steps + remaining + 1)  # never emits: the optimizer step does
         running: collections.deque = collections.deque()  # each program's mini_step
         while p.offset < T:
             while len(running) >= self.in_flight:
@@ -251,7 +252,7 @@ class Updater:
             args = MicroArgs(
                 state.params, state.opt_state._replace(acc_grads=None, mini_step=p.mini_step),
                 p.acc, p.model_state,
-                p.totals, examples, weights, state.rng, np.int32(p.offset), k, np.int32(T),
+                p.totals, examples, weights, state.rng, self._int(p.offset), k, self._int(T),
             )  # fmt: skip
             p.finishing = last  # a late failure of the last program must surface as its own
             out = self._execute(program, args, size)
@@ -268,6 +269,15 @@ class Updater:
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
         self.planner.ran()
         self._ran.add((size, chunk, final is not None))
+
+    def _int(self, value: int) -> jax.Array:
+        """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""
+        scalar = self._ints.get(value)
+        if scalar is None:
+            if len(self._ints) >= 256:  # offsets of many sizes and targets: start afresh
+                self._ints.clear()
+            scalar = self._ints[value] = place(np.int32(value), self.placement.everywhere)
+        return scalar
 
     @staticmethod
     @functools.lru_cache(maxsize=8)

@@ -233,6 +233,42 @@ def test_the_whole_update_in_one_program_writes_no_accumulator():
     assert_trees_close(state.params, reference, 1e-5)
 
 
+def test_an_update_transfers_only_its_batch():
+    """The totals' zeros, the offsets, k and T are the same device buffers at every
+    update (a host argument would be a transfer in every call), and the zeros are never
+    donated: they are alive after each update and still zero. Reference: the arguments
+    each run received, recorded by a fault hook that never fires."""
+    seen = []
+
+    class Recorder(ja.testing.FaultInjector):
+        def before_execution(self, size, args):
+            seen.append(args)
+
+    params, batches = mlp_params(width=16), batches_of(3, 2 * T)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=2 * T, micro_batch_size=4, chunk=3
+    )
+    state = trainer.init(params, batches[0])
+    trainer.fault_hook = Recorder()
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    assert len(seen) == 2 * len(batches)  # two chunks of 3 per update
+
+    def pointers(args):
+        scalars = (args.offset, args.k, args.target)
+        assert all(isinstance(x, jax.Array) for x in (*jax.tree.leaves(args.totals), *scalars))
+        return [x.unsafe_buffer_pointer() for x in (*jax.tree.leaves(args.totals), *scalars)]
+
+    firsts, seconds = seen[::2], seen[1::2]
+    assert all(pointers(a) == pointers(firsts[0]) for a in firsts)
+    assert all(pointers(a)[1:] == pointers(seconds[0])[1:] for a in seconds)  # the sums vary
+    zeros = jax.tree.leaves(firsts[0].totals)
+    assert not any(z.is_deleted() for z in zeros) and not any(np.any(np.asarray(z)) for z in zeros)
+    assert [int(a.offset) for a in seen[:2]] == [0, 12] and int(seen[0].target) == 2 * T
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), params, batches)
+    assert_trees_close(state.params, reference, 1e-5)
+
+
 def test_a_changed_limit_decides_the_chunk_and_the_fusion_again():
     """At a fixed size nothing grows or shrinks, yet the chunk and the fused last program
     were decided under the old limit: a raised limit gives the whole update in one
