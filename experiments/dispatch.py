@@ -19,6 +19,11 @@ At micro-batch 8, 64 and 512 (T = 1024, Adam), one process, interleaved rounds, 
   trainer's last program must not (an out-of-memory in it then loses nothing): what
   that safety alone costs a hand-written loop;
 - ``full_batch``: one jitted full-batch step (no accumulation);
+- ``python_after_update``: a fixed pure-Python loop timed right after optax's update
+  and again a moment later: on this CPU the program's data evicts the interpreter's
+  from the caches, so the trainer's host work between two updates runs several times
+  slower after a long program (``host_ms_per_update``: the trainer's time less its
+  program's, both on a device batch);
 - ``trainer_chunk16`` and ``trainer_device_chunk16`` (micro-batch 8 only): chunks of 16
   micro-steps, shorter than the update as where memory is tight, with a host and a
   device batch: a device batch's chunk is cut in one dispatch, all its leaves together,
@@ -114,14 +119,16 @@ def against_optax(
 ) -> tuple[dict[str, Callable[[], None]], ja.AdaptiveTrainer]:
     """The trainer and ``optax.microbatch`` at micro-batch ``m``, as ``variants``.
 
-    The trainer with a host and a device batch and with ``chunk=1``, optax's step given
-    either batch; and the trainer of ``"trainer"``. `gpu_validation.py` runs them too.
+    The trainer with a host and a device batch and with ``chunk=1``, its last program
+    called directly (`program_update`), optax's step given either batch; and the trainer
+    of ``"trainer"``. `gpu_validation.py` runs them too.
     """
     update, trainer = trainer_update(params, loss, m, batch, chunk="auto", on_device=False)
     variants = {
         "trainer": update,
         "trainer_device": trainer_update(params, loss, m, batch, chunk="auto", on_device=True)[0],
         "trainer_chunk1": trainer_update(params, loss, m, batch, chunk=1, on_device=False)[0],
+        "trainer_program": program_update(trainer, params, batch),
         "optax_microbatch": optax_update(params, loss, m, batch),
         "optax_microbatch_host": optax_update(params, loss, m, batch, on_device=False),
     }
@@ -208,6 +215,33 @@ def full_update(params, loss, batch):
     return jitted_update(params, batch, lambda p, b: jax.grad(lambda q: loss(q, b).mean())(p))
 
 
+def python_after(update: Callable[[], None], rounds: int = 60) -> dict[str, float]:
+    """Microseconds a fixed pure-Python loop takes right after ``update``, and run again.
+
+    What the host's caches cost the trainer's Python between two updates: on a CPU the
+    program's own data evicts the interpreter's, so the same lines run slower right after
+    a long program than a moment later.
+    """
+    table = [{"i": i, "value": float(i)} for i in range(200)]
+
+    def python() -> float:
+        return sum(row["value"] * row["i"] for row in table)
+
+    after, again = [], []
+    for _ in range(rounds):
+        update()
+        start = time.perf_counter()
+        python()
+        middle = time.perf_counter()
+        python()
+        after.append(middle - start)
+        again.append(time.perf_counter() - middle)
+    return {
+        "after_update_us": 1e6 * statistics.median(after),
+        "again_us": 1e6 * statistics.median(again),
+    }
+
+
 def measure(
     variants: dict[str, Callable[[], None]], rounds: int, per_round: int
 ) -> dict[str, list[float]]:
@@ -238,6 +272,17 @@ def paired(times: dict[str, list[float]], name: str, reference: str) -> dict[str
     return {"q1": q1, "median": median, "q3": q3}
 
 
+def host_ms_per_update(times: dict[str, list[float]]) -> float:
+    """The trainer's host work per update: ``trainer_device`` less its program called alone.
+
+    Both run the same compiled program on a device batch, so the difference is the
+    trainer's Python and waiting around it.
+    """
+    return 1e3 * (
+        statistics.median(times["trainer_device"]) - statistics.median(times["trainer_program"])
+    )
+
+
 def short_chunk(times: dict[str, list[float]]) -> dict[str, Any]:
     """A device batch against a host batch, both in chunks shorter than the update."""
     device, host = f"trainer_device_chunk{SHORT_CHUNK}", f"trainer_chunk{SHORT_CHUNK}"
@@ -264,7 +309,6 @@ def main() -> None:
         batch = batch_of()
         variants, trainer = against_optax(params, loss, m, batch)
         variants |= {
-            "trainer_program": program_update(trainer, params, batch),
             "optax_microbatch_kept": optax_update(params, loss, m, batch, donate=False),
             "full_batch": full_update(params, loss, batch),
         }
@@ -292,6 +336,7 @@ def main() -> None:
             "chunk1_over_optax_microbatch": seconds["trainer_chunk1"] / seconds["optax_microbatch"],
             "program_over_optax_microbatch": seconds["trainer_program"]
             / seconds["optax_microbatch"],
+            "host_ms_per_update": host_ms_per_update(times),
             "trainer_over_full_batch": seconds["trainer"] / seconds["full_batch"],
             "trainer_over_optax_microbatch_host": seconds["trainer"]
             / seconds["optax_microbatch_host"],
@@ -301,6 +346,7 @@ def main() -> None:
                 "device_batch_state_kept": per_round_kept,
             },
             **short_chunk(times),
+            "python_after_update": python_after(variants["optax_microbatch"]),
             "goal": goal,
             "meets_goal": max(per_round["median"], per_round_device["median"]) <= goal,
         }
@@ -310,7 +356,14 @@ def main() -> None:
             + f"; trainer/optax.microbatch per round (median [quartiles]), host batch "
             f"{quartiles(per_round)}, device batch {quartiles(per_round_device)} "
             f"(goal <= {goal}); against optax's step keeping its state "
-            f"{quartiles(per_round_kept)}"
+            f"{quartiles(per_round_kept)}; the trainer's program alone / optax's "
+            f"{results[case]['program_over_optax_microbatch']:.3f}, its host work per update "
+            f"{results[case]['host_ms_per_update'] * 1e3:.0f} us"
+        )
+        cold = results[case]["python_after_update"]
+        print(
+            f"  a fixed Python loop right after optax's update {cold['after_update_us']:.1f} us, "
+            f"run again {cold['again_us']:.1f} us"
         )
         if "short_chunk" in results[case]:
             q = results[case]["short_chunk"]["device_over_host"]

@@ -684,6 +684,8 @@ def _speed_cases(cfg: dict[str, Any], result: dict[str, Any]) -> None:
             "host_batch": dispatch.paired(times, "trainer", "optax_microbatch_host"),
             "device_batch": dispatch.paired(times, "trainer_device", "optax_microbatch"),
             "chunk1": dispatch.paired(times, "trainer_chunk1", "optax_microbatch_host"),
+            "program": dispatch.paired(times, "trainer_program", "optax_microbatch"),
+            "host_ms_per_update": dispatch.host_ms_per_update(times),
         }
         _emit(result)  # a timeout keeps the cases measured so far
 

@@ -274,7 +274,7 @@ class Updater:
         """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""
         scalar = self._ints.get(value)
         if scalar is None:
-            if len(self._ints) >= 256:  # offsets of many sizes and targets: start afresh
+            if len(self._ints) >= 64:  # offsets of many sizes and targets: start afresh
                 self._ints.clear()
             scalar = self._ints[value] = place(np.int32(value), self.placement.everywhere)
         return scalar

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "experiments" / "gpu_validation.py"
 CHECKS = {
@@ -103,14 +105,18 @@ def test_smoke_run_validates_every_check(tmp_path):
     assert adam["peak_bytes_in_use"] is None and adam["ledger_over_trainer_peak"] is None
 
     speed = checks["speed"]["result"]
-    variants = {"trainer", "trainer_device", "trainer_chunk1", "optax_microbatch",
-                "optax_microbatch_host"}  # fmt: skip
+    variants = {"trainer", "trainer_device", "trainer_chunk1", "trainer_program",
+                "optax_microbatch", "optax_microbatch_host"}  # fmt: skip
     for case in speed["cases"].values():
         assert set(case["ms_per_update"]) == variants
         assert all(ms > 0 for ms in case["ms_per_update"].values())
         assert case["chunk"] == 1024 // case["micro_batch_size"]  # the whole update: a CPU
-        for ratio in ("host_batch", "device_batch", "chunk1"):
+        for ratio in ("host_batch", "device_batch", "chunk1", "program"):
             assert case[ratio]["q1"] <= case[ratio]["median"] <= case[ratio]["q3"]
+        ms = case["ms_per_update"]
+        assert case["host_ms_per_update"] == pytest.approx(
+            ms["trainer_device"] - ms["trainer_program"]
+        )
     cnn = speed["cnn"]
     assert set(cnn["ms_per_update"]) == {"chunk_auto", "chunk_1"}
     assert 1 <= cnn["chunk_taken"] <= cnn["target_batch_size"] // cnn["micro_batch_size"]
