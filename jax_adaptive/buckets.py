@@ -38,6 +38,7 @@ from jax_adaptive.checks import check_buckets
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import MemoryModel
 from jax_adaptive.step import Params, TrainState
+from jax_adaptive.streams import Left
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
@@ -165,6 +166,11 @@ class BucketBatch(NamedTuple):
     batch: dict[str, np.ndarray]
 
 
+# What each source iterator has had read into buckets and not yet emitted, so that a
+# later bucket_batches of it (a second ``fit``) starts from it.
+_LEFT: Left[dict[Bucket, list[Mapping[str, Any]]]] = Left(dict)
+
+
 def bucket_batches(
     examples: Iterable[Mapping[str, Any]],
     sizes: Mapping[Bucket, int],
@@ -173,8 +179,12 @@ def bucket_batches(
     """Groups a stream of examples into padded batches of one bucket each.
 
     A bucket's batch is emitted as soon as it holds ``sizes[bucket]`` examples, so the
-    stream's order is kept within a bucket and no example is dropped or seen twice;
-    what is left in the buckets when the stream ends is not emitted.
+    stream's order is kept within a bucket and no example is dropped or seen twice.
+    What waits in the buckets belongs to the stream: given an iterator (``iter(x) is
+    x``: a generator, a file reader), a later ``bucket_batches`` of that iterator starts
+    from it (bucketed again under its own buckets), so a second
+    `jax_adaptive.BucketedTrainer.fit` on the iterator skips nothing. An iterable that
+    is not an iterator (a list) is read afresh; what waits when it ends is not emitted.
 
     Args:
         examples: dicts of arrays whose leading axes vary (``[len, ...]`` sequences).
@@ -185,15 +195,44 @@ def bucket_batches(
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
         >>> [(b.bucket, len(b.batch["t"])) for b in bucket_batches(stream, {4: 2, 16: 2})]
         [(4, 2), (16, 2)]
+        >>> it = iter(stream)
+        >>> next(bucket_batches(it, {4: 2, 16: 2})).bucket  # 9 waits in bucket 16
+        4
+        >>> [len(b.batch["t"]) for b in bucket_batches(it, {16: 3})]  # 9 waited; 2, 12
+        [3]
     """
-    axes = len(_dims(next(iter(sizes))))
-    pending: dict[Bucket, list[Mapping[str, Any]]] = {bucket: [] for bucket in sizes}
-    for example in examples:
-        bucket = bucket_for(_shape(example, axes), list(sizes))
-        pending[bucket].append(example)
-        if len(pending[bucket]) == sizes[bucket]:
-            yield BucketBatch(bucket, pad_to_bucket(pending[bucket], bucket, mask_key))
-            pending[bucket] = []
+    axes, buckets = len(_dims(next(iter(sizes)))), list(sizes)
+    iterator, waiting, shared = _LEFT.reader(examples)
+    # An earlier reader's buckets that this one lacks: bucketed again (all placed first,
+    # so an example longer than every bucket raises with nothing moved).
+    old = [b for b in waiting if b not in sizes]
+    moved = [(bucket_for(_shape(x, axes), buckets), x) for b in old for x in waiting[b]]
+    for bucket in old:
+        del waiting[bucket]
+    for bucket, example in moved:
+        waiting.setdefault(bucket, []).append(example)
+
+    def take(bucket: Bucket) -> BucketBatch:
+        """The bucket's next batch, out of ``waiting`` before it is yielded."""
+        examples, rest = waiting[bucket][: sizes[bucket]], waiting[bucket][sizes[bucket] :]
+        if rest:
+            waiting[bucket] = rest
+        else:
+            del waiting[bucket]
+        if shared:
+            _LEFT.keep(iterator, waiting)
+        return BucketBatch(bucket, pad_to_bucket(examples, bucket, mask_key))
+
+    for bucket in list(waiting):
+        while len(waiting.get(bucket, ())) >= sizes[bucket]:
+            yield take(bucket)
+    for example in iterator:
+        bucket = bucket_for(_shape(example, axes), buckets)
+        waiting.setdefault(bucket, []).append(example)
+        if shared:
+            _LEFT.keep(iterator, waiting)
+        if len(waiting[bucket]) == sizes[bucket]:
+            yield take(bucket)
 
 
 def _default_counts(batch: Mapping[str, Any], mask_key: str = "mask") -> np.ndarray:
@@ -350,6 +389,9 @@ class BucketedTrainer:
         on_update: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of sequences, bucketed by `bucket_batches`.
+
+        The sequences read into buckets and not yet trained on stay with the stream's
+        iterator: ``fit(state, it, n)`` called again on ``it`` starts with them.
 
         Args:
             state: from `init`.

@@ -8,9 +8,7 @@ padded last micro-batch).
 
 from __future__ import annotations
 
-import collections
 import functools
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -20,6 +18,7 @@ import numpy as np
 
 from jax_adaptive.oom import HostOutOfMemory
 from jax_adaptive.read_ahead import ReadAhead, Unread
+from jax_adaptive.streams import Left
 
 __all__ = [
     "MicroBatch",
@@ -152,21 +151,8 @@ class _Pending:
 
 
 # What each source iterator has had read past the last batch yielded from it, so that a
-# later Rebatcher of the same iterator (a second ``fit`` on it) yields it first. Weakly
-# keyed: forgotten with the iterator. Iterators without weak references (a list's, a
-# ``map``) are held while examples wait, the last few only.
-_PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
-_HELD: collections.OrderedDict[int, tuple[Any, _Pending]] = collections.OrderedDict()
-_HELD_MAX = 8
-
-
-def _pending_of(iterator: Any) -> tuple[_Pending, bool]:
-    """The pending examples of a source iterator, and whether they are held strongly."""
-    try:
-        return _PENDING.setdefault(iterator, _Pending()), False
-    except TypeError:  # no weak reference (or not hashable): by identity, held
-        held = _HELD.get(id(iterator))
-        return (held[1] if held is not None else _Pending()), True
+# later Rebatcher of the same iterator (a second ``fit`` on it) yields it first.
+_LEFT: Left[_Pending] = Left(_Pending)
 
 
 class Rebatcher:
@@ -219,12 +205,8 @@ class Rebatcher:
             raise ValueError(f"{size=} must be a positive int.")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"{read_ahead=} must be an int >= 0.")
-        self._batches = iter(batches)
+        self._batches, self._pending, self._shared = _LEFT.reader(batches)
         self.size, self.read_ahead = size, read_ahead
-        if self._batches is batches:  # the caller's iterator: share what waits in it
-            self._pending, self._held = _pending_of(self._batches)
-        else:
-            self._pending, self._held = _Pending(), False
         self._reader: ReadAhead | None = None
         self.consumed = 0
 
@@ -303,15 +285,9 @@ class Rebatcher:
         return out
 
     def _hold(self) -> None:
-        """Holds an iterator without weak references while examples wait in it."""
-        if not self._held:
-            return
-        key = id(self._batches)
-        _HELD.pop(key, None)
-        if self._pending:
-            _HELD[key] = (self._batches, self._pending)
-            while len(_HELD) > _HELD_MAX:
-                _HELD.popitem(last=False)
+        """Keeps what waits with the caller's iterator (`jax_adaptive.streams.Left`)."""
+        if self._shared:
+            _LEFT.keep(self._batches, self._pending)
 
 
 def synthetic_images(

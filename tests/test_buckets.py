@@ -129,6 +129,56 @@ def test_token_weighting_reports_the_mean_loss_per_real_token(fitted):
     assert metrics["padded_tokens"] == batch["mask"].size
 
 
+def _tagged(n, seed=5):
+    """Sequences whose every token is the sequence's index: a batch says which it holds."""
+    lengths = np.random.default_rng(seed).integers(2, 17, n)
+    return [{"tokens": np.full(k, i, np.int32)} for i, k in enumerate(lengths)]
+
+
+def _held(batch):
+    return batch.bucket, [int(row[0]) for row in batch.batch["tokens"]]
+
+
+@pytest.mark.parametrize("source", ["list iterator", "generator"])
+def test_what_waits_in_the_buckets_stays_with_the_stream(source):
+    """Readers of one iterator, each stopping part-way, give the batches of one reader
+    over the whole stream (the reference): each sequence once, in the same batches and
+    order. An iterator without weak references (a list's) is held while sequences wait
+    in it; a generator is kept weakly. A list is read afresh by each reader."""
+    sequences = _tagged(90)
+    sizes = {4: 5, 8: 3, 16: 2}
+    reference = [_held(b) for b in ja.bucket_batches(sequences, sizes)]
+    stream = iter(sequences) if source == "list iterator" else (s for s in sequences)
+    got = []
+    for stop in (1, 3, 2):  # three readers that stop after a few batches, then one to the end
+        reader = ja.bucket_batches(stream, sizes)
+        got += [_held(next(reader)) for _ in range(stop)]
+    got += [_held(b) for b in ja.bucket_batches(stream, sizes)]
+    assert got == reference
+    # Under other buckets, what waits is bucketed again: every sequence still once.
+    stream, seen = iter(sequences), []
+    seen += _held(next(ja.bucket_batches(stream, sizes)))[1]
+    seen += [i for b in ja.bucket_batches(stream, {16: 4}) for i in _held(b)[1]]
+    assert len(seen) == len(set(seen)) and len(sequences) - 4 < len(seen) <= len(sequences)
+    assert [_held(next(ja.bucket_batches(sequences, sizes)))] * 2 == reference[:1] * 2
+
+
+def test_fit_in_pieces_on_one_iterator_equals_one_fit(fitted):
+    """``fit(state, it, n)`` called again on the same iterator goes on with the sequences
+    already read into buckets: three fits of 2, 1 and the rest give one fit's updates.
+    Reference: the masked full-batch optax steps on one reader's batches."""
+    sequences = _sequences(32, seed=2)
+    trainer = _trainer(plan_cache=fitted[-1])
+    state = trainer.init(_params(), sequences[0])
+    stream, history = iter(sequences), []
+    for n in (2, 1, None):
+        state, h = trainer.fit(state, stream, n)
+        history += h
+    batches = _batches(sequences, trainer)
+    assert [h["bucket"] for h in history] == [b.bucket for b in batches]
+    assert_trees_close(state.params, _reference(_params(), batches, "token"), 2e-5)
+
+
 def test_an_out_of_memory_in_one_bucket_loses_nothing(fitted, tmp_path):
     sequences = _sequences(60)
     cache = shutil.copy(fitted[-1], tmp_path)  # the shrunk plan is stored: keep it apart

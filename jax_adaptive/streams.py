@@ -1,0 +1,84 @@
+"""What a reader of a stream's iterator left in it, for the iterator's next reader.
+
+A reader that groups a stream (`jax_adaptive.Rebatcher` into batches of one size,
+`jax_adaptive.bucket_batches` into shape buckets) reads examples it has not yet yielded.
+They belong to the stream, not to the reader: when a ``fit`` stops after some updates
+and another ``fit`` reads the same iterator, the second must start with them, or they
+would be skipped. A `Left` keeps them with the iterator: weakly for an iterator that
+takes weak references (a generator: forgotten with it), and for one that does not (a
+list's, a ``map``) strongly while anything waits in it, the last few such iterators only.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Left"]
+
+T = TypeVar("T")
+
+
+class Left(Generic[T]):
+    """Per source iterator, what its readers left in it (one kind of reader each).
+
+    Args:
+        make: makes an empty one (what a reader of a new iterator starts with); its
+            truth value says whether anything waits in it.
+        held_max: how many iterators without weak references to hold at once.
+
+    Example:
+        >>> left = Left(list)
+        >>> it = iter([1, 2, 3])
+        >>> waiting = left.of(it)
+        >>> waiting.append(next(it)); left.keep(it, waiting)
+        >>> left.of(it), left.of(iter([1]))  # the same iterator, then another
+        ([1], [])
+    """
+
+    def __init__(self, make: Callable[[], T], held_max: int = 8):
+        self.make, self.held_max = make, held_max
+        self._weak: weakref.WeakKeyDictionary[Any, T] = weakref.WeakKeyDictionary()
+        self._held: collections.OrderedDict[int, tuple[Any, T]] = collections.OrderedDict()
+
+    def reader(self, source: Iterable[Any]) -> tuple[Iterator[Any], T, bool]:
+        """``iter(source)``, what waits in it, and whether that is kept with it.
+
+        Only the caller's own iterator (``iter(source) is source``) hands what waits in
+        it to its next reader; an iterable that is not one (a list) is read afresh,
+        from an empty `make()`, and nothing is kept.
+        """
+        iterator = iter(source)
+        shared = iterator is source
+        return iterator, (self.of(iterator) if shared else self.make()), shared
+
+    def of(self, iterator: Any) -> T:
+        """What waits in ``iterator``: an empty `make()` for a new one.
+
+        Change it in place, and call `keep` after each change.
+        """
+        try:
+            return self._weak.setdefault(iterator, self.make())
+        except TypeError:  # no weak reference (or not hashable): by identity, held
+            held = self._held.get(id(iterator))
+            return held[1] if held is not None else self.make()
+
+    def keep(self, iterator: Any, waiting: T) -> None:
+        """Keeps ``waiting`` with ``iterator`` from now on.
+
+        An iterator kept weakly needs nothing; one that takes no weak reference is held
+        (with ``waiting``) while anything waits in it.
+        """
+        try:
+            if iterator in self._weak:
+                return
+        except TypeError:  # no weak reference, or not hashable
+            pass
+        key = id(iterator)
+        self._held.pop(key, None)
+        if waiting:
+            self._held[key] = (iterator, waiting)
+            while len(self._held) > self.held_max:
+                self._held.popitem(last=False)
