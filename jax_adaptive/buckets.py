@@ -214,14 +214,14 @@ def bucket_batches(
 
     def take(bucket: Bucket) -> BucketBatch:
         """The bucket's next batch, out of ``waiting`` before it is yielded."""
-        examples, rest = waiting[bucket][: sizes[bucket]], waiting[bucket][sizes[bucket] :]
+        batch, rest = waiting[bucket][: sizes[bucket]], waiting[bucket][sizes[bucket] :]
         if rest:
             waiting[bucket] = rest
         else:
             del waiting[bucket]
         if shared:
             _LEFT.keep(iterator, waiting)
-        return BucketBatch(bucket, pad_to_bucket(examples, bucket, mask_key))
+        return BucketBatch(bucket, pad_to_bucket(batch, bucket, mask_key))
 
     for bucket in list(waiting):
         while len(waiting.get(bucket, ())) >= sizes[bucket]:
