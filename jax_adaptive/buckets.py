@@ -202,7 +202,7 @@ def bucket_batches(
         [3]
     """
     axes, buckets = len(_dims(next(iter(sizes)))), list(sizes)
-    iterator, waiting, shared = _LEFT.reader(examples)
+    iterator, waiting, keep = _LEFT.reader(examples)
     # An earlier reader's buckets that this one lacks: bucketed again (all placed first,
     # so an example longer than every bucket raises with nothing moved).
     old = [b for b in waiting if b not in sizes]
@@ -219,8 +219,7 @@ def bucket_batches(
             waiting[bucket] = rest
         else:
             del waiting[bucket]
-        if shared:
-            _LEFT.keep(iterator, waiting)
+        keep()
         return BucketBatch(bucket, pad_to_bucket(batch, bucket, mask_key))
 
     for bucket in list(waiting):
@@ -229,8 +228,7 @@ def bucket_batches(
     for example in iterator:
         bucket = bucket_for(_shape(example, axes), buckets)
         waiting.setdefault(bucket, []).append(example)
-        if shared:
-            _LEFT.keep(iterator, waiting)
+        keep()
         if len(waiting[bucket]) == sizes[bucket]:
             yield take(bucket)
 

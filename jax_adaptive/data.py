@@ -205,7 +205,8 @@ class Rebatcher:
             raise ValueError(f"{size=} must be a positive int.")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"{read_ahead=} must be an int >= 0.")
-        self._batches, self._pending, self._shared = _LEFT.reader(batches)
+        # _hold, after each change: what waits stays with the caller's iterator.
+        self._batches, self._pending, self._hold = _LEFT.reader(batches)
         self.size, self.read_ahead = size, read_ahead
         self._reader: ReadAhead | None = None
         self.consumed = 0
@@ -283,11 +284,6 @@ class Rebatcher:
         self.consumed += self.size
         self._hold()
         return out
-
-    def _hold(self) -> None:
-        """Keeps what waits with the caller's iterator (`jax_adaptive.streams.Left`)."""
-        if self._shared:
-            _LEFT.keep(self._batches, self._pending)
 
 
 def synthetic_images(

@@ -43,16 +43,18 @@ class Left(Generic[T]):
         self._weak: weakref.WeakKeyDictionary[Any, T] = weakref.WeakKeyDictionary()
         self._held: collections.OrderedDict[int, tuple[Any, T]] = collections.OrderedDict()
 
-    def reader(self, source: Iterable[Any]) -> tuple[Iterator[Any], T, bool]:
-        """``iter(source)``, what waits in it, and whether that is kept with it.
+    def reader(self, source: Iterable[Any]) -> tuple[Iterator[Any], T, Callable[[], None]]:
+        """``iter(source)``, what waits in it, and what to call after each change to that.
 
         Only the caller's own iterator (``iter(source) is source``) hands what waits in
-        it to its next reader; an iterable that is not one (a list) is read afresh,
-        from an empty `make()`, and nothing is kept.
+        it to its next reader (the call is `keep`); an iterable that is not one (a list)
+        is read afresh, from an empty `make()`, and the call keeps nothing.
         """
         iterator = iter(source)
-        shared = iterator is source
-        return iterator, (self.of(iterator) if shared else self.make()), shared
+        if iterator is not source:
+            return iterator, self.make(), lambda: None
+        waiting = self.of(iterator)
+        return iterator, waiting, lambda: self.keep(iterator, waiting)
 
     def of(self, iterator: Any) -> T:
         """What waits in ``iterator``: an empty `make()` for a new one.
