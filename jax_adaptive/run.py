@@ -311,6 +311,9 @@ class Workdir(contextlib.AbstractContextManager):
         path: the directory (created when missing).
         config: the run's config, written into ``plan.json``.
         run: what a checkpoint must agree on to be resumed; None: no checkpoints.
+        examples_per_update: what a checkpoint's data position must be after its
+            updates (`jax_adaptive.checkpoint.Checkpoints`); None: the path checks the
+            position itself.
 
     Raises:
         ValueError: when the directory holds checkpoints and ``config.resume`` is off.
@@ -324,7 +327,14 @@ class Workdir(contextlib.AbstractContextManager):
         ['metrics.jsonl', 'plan.json']
     """
 
-    def __init__(self, path: str | Path, config: TrainConfig, run: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        config: TrainConfig,
+        run: Mapping[str, Any] | None = None,
+        *,
+        examples_per_update: int | Callable[[int], int] | None = None,
+    ):
         self.path, self.config = Path(path).absolute(), config
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
@@ -337,13 +347,8 @@ class Workdir(contextlib.AbstractContextManager):
             ) from None
         self.checkpoints = None
         if run is not None:
-            per_update = (
-                config.target_batch_size
-                if config.batch_schedule is None
-                else config.schedule().examples_before
-            )
             self.checkpoints = Checkpoints(
-                self.path / "checkpoints", run, examples_per_update=per_update
+                self.path / "checkpoints", run, examples_per_update=examples_per_update
             )
         held = self.checkpoints is not None and self.checkpoints.latest() is not None
         if held and not config.resume:
@@ -357,9 +362,13 @@ class Workdir(contextlib.AbstractContextManager):
 
     @classmethod
     def of(
-        cls, config: TrainConfig, run: Mapping[str, Any] | None = None
+        cls,
+        config: TrainConfig,
+        run: Mapping[str, Any] | None = None,
+        *,
+        examples_per_update: int | Callable[[int], int] | None = None,
     ) -> contextlib.AbstractContextManager[Workdir | None]:
-        """The config's workdir as a context (None without ``config.workdir``).
+        """The config's workdir as a context (None without ``config.workdir``); args as above.
 
         Example:
             >>> with Workdir.of(TrainConfig()) as work:
@@ -368,7 +377,7 @@ class Workdir(contextlib.AbstractContextManager):
         """
         if config.workdir is None:
             return contextlib.nullcontext()
-        return cls(config.workdir, config, run)
+        return cls(config.workdir, config, run, examples_per_update=examples_per_update)
 
     def write_plan(self, plans: list[dict[str, Any]], *, search_seconds: float) -> None:
         """(Re)writes ``plan.json`` when the plans or the search time changed."""
@@ -415,6 +424,34 @@ class Workdir(contextlib.AbstractContextManager):
             self._metrics = open(self.path / "metrics.jsonl", "a")
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
+
+    def resume(self, state: TrainState) -> tuple[TrainState, int, int]:
+        """Where the run goes on from: ``(state, data position, updates done)``.
+
+        The latest intact checkpoint's with ``--resume`` (placed like ``state``), else
+        ``state`` itself at position 0 after 0 updates.
+
+        Example:
+            >>> import tempfile, jax, jax.numpy as jnp
+            >>> from jax_adaptive.step import multi_steps
+            >>> params = {"w": jnp.ones(2)}
+            >>> opt = multi_steps(optax.sgd(1.0), 1).init(params)
+            >>> state = TrainState(params, opt._replace(gradient_step=jnp.int32(3)), (),
+            ...                    jax.random.key(0))  # after 3 updates
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     with Workdir(tmp, TrainConfig(), {"seed": 0}) as work:
+            ...         work.save(3, state, position=96)
+            ...     with Workdir(tmp, TrainConfig(resume=True), {"seed": 0}) as work:
+            ...         _, position, done = work.resume(state)
+            >>> position, done
+            (96, 3)
+        """
+        if self.config.resume and self.checkpoints is not None:
+            restored = self.checkpoints.restore(state)
+            if restored is not None:
+                state, position = restored
+                return state, position, int(state.updates)
+        return state, 0, 0
 
     def save(self, update: int, state: TrainState, position: int) -> None:
         """Checkpoints after ``update`` updates (nothing without checkpoints)."""
@@ -534,6 +571,7 @@ def run_path(
     *,
     out: TextIO | None = None,
     run: Mapping[str, Any] | None = None,
+    examples_per_update: int | Callable[[int], int] | None = None,
 ) -> dict[str, Any]:
     """Runs one path of the command line: its training in its workdir, then its summary.
 
@@ -543,6 +581,7 @@ def run_path(
         summarize: the summary's one line.
         out: where to print (standard output by default).
         run: what a resumed checkpoint must match (see `Workdir`).
+        examples_per_update: what a checkpoint's data position must be (see `Workdir`).
 
     Returns:
         The summary.
@@ -554,7 +593,7 @@ def run_path(
         {'losses': []}
     """
     out = out or sys.stdout
-    with Workdir.of(config, run) as workdir:
+    with Workdir.of(config, run, examples_per_update=examples_per_update) as workdir:
         summary = train(config, workdir, out)
     print(summarize(summary), file=out)
     return summary

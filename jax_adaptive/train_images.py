@@ -373,13 +373,9 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         updates = _updates_in(config.epochs * len(source), schedule)
     model, trainer, state, search = _start(config, source, out)
     evaluate = _evaluation(config, trainer, model)
-    position, done = 0, 0
-    if config.resume and workdir is not None and workdir.checkpoints is not None:
-        restored = workdir.checkpoints.restore(state)
-        if restored is not None:
-            state, position = restored
-            done = int(state.updates)
-            trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
+    state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
+    if done:
+        trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
     print(_plan_line(trainer, search, done, config.batch_schedule), file=out)
     batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
     consumed = [position]  # the stream's position after the last batch trained on
@@ -482,7 +478,15 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     if config.batch_schedule is not None:
         run["batch_schedule"] = config.batch_schedule
-    return run_path(config, _train_images, _summary_line, out=out, run=run)
+    # The stream's position after an update: the examples of the updates so far.
+    per_update = (
+        config.target_batch_size
+        if config.batch_schedule is None
+        else config.schedule().examples_before
+    )
+    return run_path(
+        config, _train_images, _summary_line, out=out, run=run, examples_per_update=per_update
+    )
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

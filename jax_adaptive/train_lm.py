@@ -5,11 +5,18 @@ The zoo's small GPT trains on synthetic sequences of log-normal lengths
 up to ``--max-length``, ``--target-tokens`` padded tokens per update, each bucket's
 plan searched on its first use, and the loss weighted per real token. The workdir and
 the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket planned.
+
+With ``--workdir`` it checkpoints the state and the stream's position (the sequences
+read) every ``--checkpoint-every`` updates. ``--resume`` goes on from the latest
+checkpoint with the very batches the uninterrupted run would have trained on: the
+stream is drawn again from its seed and bucketed again up to the checkpoint's update,
+so the sequences that waited in partly filled buckets then wait there again.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 import jax
@@ -35,6 +42,16 @@ from jax_adaptive.step import TrainState
 __all__ = ["train_gpt"]
 
 VOCAB_SIZE = 64
+# What a resumed checkpoint must match: what draws the stream and shapes the model.
+_RUN_FIELDS = (
+    "model",
+    "dataset",
+    "max_length",
+    "target_tokens",
+    "optimizer",
+    "learning_rate",
+    "seed",
+)
 
 
 def _next_token_counts(batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -48,8 +65,6 @@ def _check(config: TrainConfig) -> None:
         raise ValueError("--model gpt trains on synthetic sequences: use --dataset synthetic.")
     if config.micro_batch_size != "auto":
         raise ValueError("--model gpt plans each bucket itself: use --micro-batch-size auto.")
-    if config.resume:
-        raise ValueError("--resume is not supported with --model gpt (sequences wait in buckets).")
     if config.epochs is not None:
         raise ValueError("--model gpt reads an endless stream: use --updates, not --epochs.")
     if config.max_length < 16:
@@ -59,6 +74,54 @@ def _check(config: TrainConfig) -> None:
             f"--target-tokens {config.target_tokens} must be at least --max-length "
             f"{config.max_length}: an update holds at least one sequence of each bucket."
         )
+
+
+class _Counted:
+    """An iterator over ``sequences`` that counts the ones it handed out (``read``)."""
+
+    def __init__(self, sequences: Iterable[dict[str, np.ndarray]]):
+        self._sequences, self.read = iter(sequences), 0
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        sequence = next(self._sequences)
+        self.read += 1
+        return sequence
+
+
+def _stream(
+    sequences: Iterable[dict[str, np.ndarray]], sizes: dict[int, int], done: int, position: int
+) -> Iterator[tuple[BucketBatch, int]]:
+    """Each update's bucket batch from update ``done + 1`` on, with the sequences read by then.
+
+    The batches of the first ``done`` updates are formed again and skipped, so the
+    sequences they left waiting wait again. Their count must be the checkpoint's
+    ``position``: else the stream is not the one the checkpoint's run read.
+
+    Example:
+        >>> import itertools
+        >>> from jax_adaptive.data import synthetic_sequences
+        >>> sizes = {16: 8, 32: 4, 64: 2}  # sequences per update of each bucket
+        >>> batches = _stream(synthetic_sequences(max_length=64), sizes, 0, 0)
+        >>> [(b.bucket, read) for b, read in itertools.islice(batches, 4)]
+        [(64, 2), (32, 8), (64, 10), (64, 13)]
+        >>> again = _stream(synthetic_sequences(max_length=64), sizes, 2, 8)  # after 2
+        >>> [(b.bucket, read) for b, read in itertools.islice(again, 2)]
+        [(64, 10), (64, 13)]
+    """
+    counted = _Counted(sequences)
+    batches = bucket_batches(counted, sizes)
+    for _ in range(done):
+        next(batches)
+    if counted.read != position:
+        raise ValueError(
+            f"the checkpoint of update {done} was saved after {position} sequences of the "
+            f"stream, but drawing it again gives {counted.read}: the stream differs; resume "
+            "with the same flags and version, or use a new --workdir."
+        )
+    return ((batch, counted.read) for batch in batches)  # counted as each batch is formed
 
 
 def _plans(trainer: BucketedTrainer) -> dict[str, Any]:
@@ -96,14 +159,22 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
     first = next(sequences)
     params = model.init(jax.random.key(config.seed), jnp.asarray(first["tokens"][None]))["params"]
     state = trainer.init(params, first, rng=jax.random.key(config.seed))
+    state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     sizes = {bucket: trainer.examples_per_update(bucket) for bucket in trainer.buckets}
-    batches = bucket_batches(sequences, sizes)
+    batches = _stream(sequences, sizes, done, position)
+    if done:
+        print(f"resumed at update {done} ({position} sequences of the stream read)", file=out)
+    consumed = [position]  # the sequences read by the last batch trained on
     printed = 0
     start = time.perf_counter()
 
-    def step(state: TrainState, batch: BucketBatch) -> tuple[TrainState, dict[str, Any]]:
+    def step(
+        state: TrainState, drawn: tuple[BucketBatch, int]
+    ) -> tuple[TrainState, dict[str, Any]]:
         nonlocal printed
+        batch, read = drawn
         state, metrics = trainer.step(state, batch)
+        consumed[0] = read
         metrics = jax.device_get(metrics)
         for entry in trainer.bucket_log[printed:]:  # the buckets planned since the last
             tqdm.tqdm.write(
@@ -121,8 +192,8 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
         }  # fmt: skip
 
     _, lines = host_loop(
-        step, state, batches, config, done=0, updates=config.updates, describe=_gpt_line,
-        plans=lambda: _plans(trainer), workdir=workdir, out=out,
+        step, state, batches, config, done=done, updates=config.updates, describe=_gpt_line,
+        plans=lambda: _plans(trainer), workdir=workdir, position=lambda: consumed[0], out=out,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = sum(line["tokens"] for line in lines)
@@ -151,7 +222,9 @@ def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, An
         (2, [16])
     """
     _check(config)
-    return run_path(config, _train, _summary_line, out=out)
+    run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
+    # The position (sequences read) has no fixed count per update: `_stream` checks it.
+    return run_path(config, _train, _summary_line, out=out, run=run, examples_per_update=None)
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

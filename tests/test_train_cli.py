@@ -13,9 +13,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.report import main as report_main
 from jax_adaptive.report import write_report
 from jax_adaptive.train import TrainConfig, main, parse_bytes, train
+from jax_adaptive.train_lm import _stream
 
 
 def _compiles(line, before):
@@ -244,6 +246,43 @@ def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert {b["bucket"] for b in plan["plans"]} == {m["bucket"] for m in metrics}
     assert out[-1].startswith("summary: ") and "padding" in out[-1]
+
+
+def test_a_resumed_gpt_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path, capsys):
+    flags = ["--model", "gpt", "--max-length", "64", "--target-tokens", "512"]
+    flags += ["--no-simulated-device", "--checkpoint-every", "2", "--no-progress"]
+    flags += ["--no-plan-cache", "--learning-rate", "1e-2"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main([*flags, "--updates", "5", "--workdir", str(whole)]) == 0
+    assert main([*flags, "--updates", "3", "--workdir", str(part)]) == 0
+    # Killed after update 3's line but before its checkpoint: the resumed run redoes 3.
+    shutil.rmtree(part / "checkpoints" / "3")
+    capsys.readouterr()
+    assert main([*flags, "--updates", "5", "--workdir", str(part), "--resume"]) == 0
+    resumed = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resumed"))
+    read = int(resumed.split("(")[1].split()[0])
+    lines = {}
+    for run in (whole, part):
+        lines[run] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # Sequences waited in partly filled buckets at the checkpoint (read, not trained on),
+    # and a bucket first filled after it trains on some of them.
+    assert resumed.startswith("resumed at update 2 ") and read > 2 * 512 // 64, resumed
+    first_two = {m["bucket"] for m in lines[whole][:2]}
+    assert {m["bucket"] for m in lines[whole][2:]} - first_two, lines[whole]
+    assert [m["update"] for m in lines[part]] == [1, 2, 3, 4, 5]
+    for a, b in zip(lines[whole], lines[part], strict=True):
+        assert (a["bucket"], a["tokens"]) == (b["bucket"], b["tokens"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    a, b = _final_params(whole, 5), _final_params(part, 5)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_a_gpt_checkpoint_of_another_stream_is_refused():
+    sequences = synthetic_sequences(vocab_size=64, max_length=64, seed=0)
+    sizes = {16: 32, 32: 16, 64: 8}
+    with pytest.raises(ValueError, match="saved after 5 sequences of the stream, but drawing"):
+        _stream(sequences, sizes, done=2, position=5)
 
 
 def _losses(stdout):
