@@ -19,6 +19,14 @@ two here, as decoding and augmenting would). Variants, each over the same loader
   ``ja.Rebatcher(loader, T, read_ahead=2)``;
 - ``loader_alone``: the loader's time per batch, nothing else running.
 
+And for sequences of varying length (``buckets`` in the JSON): ``ja.BucketedTrainer.fit``
+on the zoo's small GPT (power-of-two buckets to 64, 1024 padded tokens per update) over
+a loader of log-normal lengths whose host work per sequence (``--passes`` passes over a
+256-wide float embedding of its tokens) stands for tokenizing, reading two updates'
+sequences ahead against ``read_ahead=0`` (its default), with the loader alone per
+update beside them, for a loader of ``--passes`` and of five times as many passes
+(``buckets`` keyed by the passes).
+
 At micro-batch 8 (MLP 64 -> 128 -> 64, dispatch-bound) and 512 (2048 wide,
 compute-bound). Interleaved rounds of ``--updates`` updates per variant; ratios to
 ``optax_loop`` taken round by round, median and quartiles.
@@ -44,6 +52,7 @@ from dispatch import T, adam_step, batch_of, microbatch_grads, mlp, paired, quar
 from dispatch import measure as dispatch_measure
 
 import jax_adaptive as ja
+from jax_adaptive.models import GPT, gpt_token_loss
 
 CASES = {"8": (8, 128), "512-wide": (512, 2048)}  # micro-batch, hidden width
 
@@ -98,6 +107,45 @@ def trainer_runs(params: Any, loss: Callable, m: int) -> dict[str, Callable[[Ite
     }
 
 
+def sequence_loader(passes: int, seed: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """Endless sequences of log-normal lengths to 64, each costing the host ``passes`` passes."""
+    for sequence in ja.synthetic_sequences(max_length=64, seed=seed):
+        x = np.repeat(sequence["tokens"][:, None].astype(np.float32), 256, axis=1)
+        for _ in range(passes):
+            x = np.tanh(x) * np.float32(0.5) + x * np.float32(0.5)
+        yield sequence
+
+
+def bucket_case(passes: int, rounds: int, n: int) -> dict[str, Any]:
+    """``BucketedTrainer.fit`` over `sequence_loader`, reading ahead and not."""
+    model = GPT(vocab_size=64, max_len=64, width=64, depth=2, heads=4)
+    trainer = ja.BucketedTrainer(
+        gpt_token_loss(model), optax.adam(1e-3), buckets=ja.pow2_buckets(64),
+        target_tokens=1024, plan_cache=False,
+    )  # fmt: skip
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    sequences = sequence_loader(passes)
+    box = [trainer.init(params, next(sequences))]
+
+    def fit(read_ahead: int) -> Callable[[Iterator, int], None]:
+        def run(stream: Iterator, n: int) -> None:
+            box[0], _ = trainer.fit(box[0], stream, n, read_ahead=read_ahead)
+
+        return run
+
+    def loader_per_update(stream: Iterator, n: int) -> None:  # an update's sequences
+        for _ in range(n * 1024 // 64):  # at the mean bucket length, about
+            next(stream)
+
+    ahead = 2 * max(trainer.examples_per_update(b) for b in trainer.buckets)
+    runs = {"fit_read_ahead": fit(ahead), "fit_no_read_ahead": fit(0), "loader": loader_per_update}
+    times = measure(runs, sequences, rounds, n)
+    return {
+        "ms_per_update": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
+        "read_ahead_over_none": paired(times, "fit_read_ahead", "fit_no_read_ahead"),
+    }
+
+
 def loader_alone(batches: Iterator, n: int) -> None:
     for _ in range(n):
         next(batches)
@@ -139,10 +187,19 @@ def main() -> None:
             + "; over optax_loop per round (median [quartiles]): "
             + ", ".join(f"{n} {quartiles(q)}" for n, q in ratios.items())
         )
+    buckets = {}
+    for passes in (args.passes, 5 * args.passes):
+        case = buckets[str(passes)] = bucket_case(passes, rounds, args.updates)
+        print(
+            f"buckets, loader of {passes} passes: "
+            + ", ".join(f"{n} {v:.2f} ms" for n, v in case["ms_per_update"].items())
+            + f"; read ahead / not, per round: {quartiles(case['read_ahead_over_none'])}"
+        )
     out = write_result(
         args.out,
         {"target_batch_size": T, "optimizer": "adam", "rounds": rounds,
-         "updates_per_round": args.updates, "loader_passes": args.passes, "cases": results},
+         "updates_per_round": args.updates, "loader_passes": args.passes, "cases": results,
+         "buckets": buckets},
     )  # fmt: skip
     plot(results, out.with_suffix(".png"))
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive.oom import HostOutOfMemory
-from jax_adaptive.read_ahead import ReadAhead, Unread
-from jax_adaptive.streams import Left
+from jax_adaptive.read_ahead import Unread
+from jax_adaptive.streams import Feed, Left
 
 __all__ = [
     "MicroBatch",
@@ -203,12 +203,10 @@ class Rebatcher:
     def __init__(self, batches: Iterable[Any], size: int, *, read_ahead: int = 0):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{size=} must be a positive int.")
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(f"{read_ahead=} must be an int >= 0.")
         # _hold, after each change: what waits stays with the caller's iterator.
-        self._batches, self._pending, self._hold = _LEFT.reader(batches)
+        batches, self._pending, self._hold = _LEFT.reader(batches)
+        self._feed = Feed(batches, self._pending, read_ahead)
         self.size, self.read_ahead = size, read_ahead
-        self._reader: ReadAhead | None = None
         self.consumed = 0
 
     @property
@@ -229,25 +227,8 @@ class Rebatcher:
         It waits for the read in progress. Iterating again reads ahead again. Without
         ``read_ahead`` there is nothing to stop.
         """
-        if self._reader is None:
-            return
-        reader, self._reader = self._reader, None
-        self._pending.unread = reader.close()  # it started with nothing handed back
+        self._feed.close()
         self._hold()
-
-    def _next_batch(self) -> Any:
-        """The stream's next batch: one handed back first, else read (ahead, or now)."""
-        unread = self._pending.unread
-        if unread.items:
-            return unread.items.pop(0)
-        if unread.error is not None:
-            self._pending.unread = Unread([])
-            raise unread.error
-        if not self.read_ahead:
-            return next(self._batches)
-        if self._reader is None:
-            self._reader = ReadAhead(self._batches, self.read_ahead)
-        return next(self._reader)
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -257,7 +238,7 @@ class Rebatcher:
         try:
             while pending.count < self.size:
                 try:
-                    batch = self._next_batch()
+                    batch = next(self._feed)  # handed back first, else read (ahead, or now)
                 except StopIteration:
                     raise StopIteration from None
                 if pending.batches:

@@ -7,6 +7,11 @@ and another ``fit`` reads the same iterator, the second must start with them, or
 would be skipped. A `Left` keeps them with the iterator: weakly for an iterator that
 takes weak references (a generator: forgotten with it), and for one that does not (a
 list's, a ``map``) strongly while anything waits in it, the last few such iterators only.
+
+A `Feed` is one reader's way in: what an earlier reader read ahead and handed back
+first, then the iterator, read ahead in a background thread when asked to
+(`jax_adaptive.read_ahead.ReadAhead`); closing it hands back what it read and nobody
+took, for the next reader.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["Left"]
+from jax_adaptive.read_ahead import ReadAhead, Unread
+
+__all__ = ["Feed", "Left"]
 
 T = TypeVar("T")
 
@@ -84,3 +91,71 @@ class Left(Generic[T]):
             self._held[key] = (iterator, waiting)
             while len(self._held) > self.held_max:
                 self._held.popitem(last=False)
+
+
+class _HandsBack(Protocol):
+    """What a reader leaves in a stream, with the items read ahead and handed back."""
+
+    unread: Unread
+
+
+class Feed:
+    """A reader's items from a stream: those handed back first, then the iterator's.
+
+    The `Unread` items an earlier reader handed back come first, in order, then the
+    stream's error if it raised one while read ahead (raised here once), then the
+    iterator itself, read ahead in a background thread when ``read_ahead`` (at most that
+    many items read and not yet taken), or read when asked for. `close` stops the thread and
+    hands back what it read and nobody took, into ``left.unread``.
+
+    Args:
+        iterator: the stream's iterator (read in the thread only, once read ahead).
+        left: what the reader leaves in the stream (`Left`'s per-iterator object): its
+            ``unread`` is read first and receives what `close` hands back.
+        read_ahead: how many items to read ahead (0: none).
+
+    Raises:
+        ValueError: for a ``read_ahead`` that is not an int >= 0.
+
+    Example:
+        >>> class Waiting:
+        ...     unread = Unread([])
+        >>> it, left = iter(range(6)), Waiting()
+        >>> feed = Feed(it, left, read_ahead=2)
+        >>> next(feed), next(feed)
+        (0, 1)
+        >>> feed.close()  # what it read ahead and nobody took goes to left.unread
+        >>> list(Feed(it, left, read_ahead=0))  # the next reader: those first, then the iterator
+        [2, 3, 4, 5]
+    """
+
+    def __init__(self, iterator: Iterator[Any], left: _HandsBack, read_ahead: int):
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ValueError(f"{read_ahead=} must be an int >= 0.")
+        self._iterator, self._left, self.read_ahead = iterator, left, read_ahead
+        self._reader: ReadAhead | None = None
+
+    def __iter__(self) -> Feed:
+        return self
+
+    def __next__(self) -> Any:
+        unread = self._left.unread
+        if unread.items:
+            return unread.items.pop(0)
+        if unread.error is not None:
+            self._left.unread = Unread([])
+            raise unread.error
+        if not self.read_ahead:
+            return next(self._iterator)
+        if self._reader is None:  # started once what was handed back is taken
+            self._reader = ReadAhead(self._iterator, self.read_ahead)
+        return next(self._reader)
+
+    def close(self) -> None:
+        """Stops reading ahead (after the read in progress); hands back what was not taken.
+
+        Iterating again reads ahead again. Without ``read_ahead`` there is nothing to stop.
+        """
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            self._left.unread = reader.close()  # it started with nothing handed back

@@ -5,7 +5,10 @@ batch, with the per-token (or per-sequence) mean written out here from the logit
 the mask, not through the trainer or `gpt_token_loss`.
 """
 
+import contextlib
 import shutil
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -139,22 +142,34 @@ def _held(batch):
     return batch.bucket, [int(row[0]) for row in batch.batch["tokens"]]
 
 
+@pytest.mark.parametrize("read_ahead", [0, 7])
 @pytest.mark.parametrize("source", ["list iterator", "generator"])
-def test_what_waits_in_the_buckets_stays_with_the_stream(source):
+def test_what_waits_in_the_buckets_stays_with_the_stream(source, read_ahead):
     """Readers of one iterator, each stopping part-way, give the batches of one reader
     over the whole stream (the reference): each sequence once, in the same batches and
     order. An iterator without weak references (a list's) is held while sequences wait
-    in it; a generator is kept weakly. A list is read afresh by each reader."""
+    in it; a generator is kept weakly. A list is read afresh by each reader. Read
+    ahead, the sequences are read in another thread, and what a stopped reader read
+    ahead and did not bucket comes first to the next reader."""
     sequences = _tagged(90)
     sizes = {4: 5, 8: 3, 16: 2}
     reference = [_held(b) for b in ja.bucket_batches(sequences, sizes)]
-    stream = iter(sequences) if source == "list iterator" else (s for s in sequences)
+    threads = set()
+
+    def generated():
+        for sequence in sequences:
+            threads.add(threading.get_ident())
+            yield sequence
+
+    stream = iter(sequences) if source == "list iterator" else generated()
     got = []
     for stop in (1, 3, 2):  # three readers that stop after a few batches, then one to the end
-        reader = ja.bucket_batches(stream, sizes)
-        got += [_held(next(reader)) for _ in range(stop)]
-    got += [_held(b) for b in ja.bucket_batches(stream, sizes)]
+        with contextlib.closing(ja.bucket_batches(stream, sizes, read_ahead=read_ahead)) as r:
+            got += [_held(next(r)) for _ in range(stop)]
+    got += [_held(b) for b in ja.bucket_batches(stream, sizes, read_ahead=read_ahead)]
     assert got == reference
+    if source == "generator":
+        assert (threading.get_ident() in threads) == (read_ahead == 0), threads
     # Under other buckets, what waits is bucketed again: every sequence still once.
     stream, seen = iter(sequences), []
     seen += _held(next(ja.bucket_batches(stream, sizes)))[1]
@@ -163,16 +178,47 @@ def test_what_waits_in_the_buckets_stays_with_the_stream(source):
     assert [_held(next(ja.bucket_batches(sequences, sizes)))] * 2 == reference[:1] * 2
 
 
+def test_a_stream_error_read_ahead_reaches_the_next_reader_after_its_sequences():
+    """A reader that read ahead into the stream's error and stopped before it hands the
+    error back with the sequences before it: the next reader yields their batches, then
+    raises it, as one reader that reads as it goes does."""
+    sequences = _tagged(40)
+    sizes = {4: 5, 8: 3, 16: 2}
+
+    def failing():
+        yield from sequences
+        raise OSError("the disk went away")
+
+    def batches_then_error(readers):
+        stream, got = failing(), []
+        with pytest.raises(OSError, match="the disk went away"):
+            for stop, read_ahead in readers:
+                reader = ja.bucket_batches(stream, sizes, read_ahead=read_ahead)
+                with contextlib.closing(reader):
+                    for batch in reader:
+                        got.append(_held(batch))
+                        if len(got) == stop:
+                            time.sleep(0.2)  # the thread reads on, into the error
+                            break
+        return got
+
+    one_reader = batches_then_error([(None, 0)])
+    assert len(one_reader) > 2 and batches_then_error([(1, 200), (None, 0)]) == one_reader
+    with pytest.raises(ValueError, match=r"read_ahead=1\.5 must be an int >= 0"):
+        ja.bucket_batches(sequences, sizes, read_ahead=1.5)
+
+
 def test_fit_in_pieces_on_one_iterator_equals_one_fit(fitted):
     """``fit(state, it, n)`` called again on the same iterator goes on with the sequences
-    already read into buckets: three fits of 2, 1 and the rest give one fit's updates.
+    already read into buckets or read ahead (two updates' worth: here the whole stream,
+    in a background thread): three fits of 2, 1 and the rest give one fit's updates.
     Reference: the masked full-batch optax steps on one reader's batches."""
     sequences = _sequences(32, seed=2)
     trainer = _trainer(plan_cache=fitted[-1])
     state = trainer.init(_params(), sequences[0])
     stream, history = iter(sequences), []
     for n in (2, 1, None):
-        state, h = trainer.fit(state, stream, n)
+        state, h = trainer.fit(state, stream, n, read_ahead=2 * 16)
         history += h
     batches = _batches(sequences, trainer)
     assert [h["bucket"] for h in history] == [b.bucket for b in batches]
