@@ -23,9 +23,10 @@ And for sequences of varying length (``buckets`` in the JSON): ``ja.BucketedTrai
 on the zoo's small GPT (power-of-two buckets to 64, 1024 padded tokens per update) over
 a loader of log-normal lengths whose host work per sequence (``--passes`` passes over a
 256-wide float embedding of its tokens) stands for tokenizing, reading two updates'
-sequences ahead against ``read_ahead=0`` (its default), with the loader alone per
-update beside them, for a loader of ``--passes`` and of five times as many passes
-(``buckets`` keyed by the passes).
+sequences ahead against ``read_ahead=0`` (its default), with the loader's own time
+for an update's sequences beside them (its time per sequence, read alone, times the
+sequences the fits' updates took on average), for a loader of ``--passes`` and of five
+times as many passes (``buckets`` keyed by the passes).
 
 At micro-batch 8 (MLP 64 -> 128 -> 64, dispatch-bound) and 512 (2048 wide,
 compute-bound). Interleaved rounds of ``--updates`` updates per variant; ratios to
@@ -127,21 +128,25 @@ def bucket_case(passes: int, rounds: int, n: int) -> dict[str, Any]:
     sequences = sequence_loader(passes)
     box = [trainer.init(params, next(sequences))]
 
+    taken = []  # the sequences of each update the fits ran
+
     def fit(read_ahead: int) -> Callable[[Iterator, int], None]:
         def run(stream: Iterator, n: int) -> None:
-            box[0], _ = trainer.fit(box[0], stream, n, read_ahead=read_ahead)
+            box[0], history = trainer.fit(box[0], stream, n, read_ahead=read_ahead)
+            taken.extend(h["examples"] for h in history)
 
         return run
 
-    def loader_per_update(stream: Iterator, n: int) -> None:  # an update's sequences
-        for _ in range(n * 1024 // 64):  # at the mean bucket length, about
-            next(stream)
-
     ahead = 2 * max(trainer.examples_per_update(b) for b in trainer.buckets)
-    runs = {"fit_read_ahead": fit(ahead), "fit_no_read_ahead": fit(0), "loader": loader_per_update}
-    times = measure(runs, sequences, rounds, n)
+    runs = {"fit_read_ahead": fit(ahead), "fit_no_read_ahead": fit(0), "loader": loader_alone}
+    times = measure(runs, sequences, rounds, n)  # the loader's: per sequence
+    ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    per_sequence = ms.pop("loader")
+    ms["loader"] = per_sequence * statistics.mean(taken)
     return {
-        "ms_per_update": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
+        "ms_per_update": ms,
+        "loader_ms_per_sequence": per_sequence,
+        "sequences_per_update": statistics.mean(taken),
         "read_ahead_over_none": paired(times, "fit_read_ahead", "fit_no_read_ahead"),
     }
 

@@ -182,7 +182,7 @@ class _Waiting:
 
     def __bool__(self) -> bool:
         """Whether anything waits: in a bucket, or handed back."""
-        return bool(self.buckets or self.unread.items or self.unread.error)
+        return bool(self.buckets or self.unread)
 
 
 # What each source iterator has had read and not yet emitted, so that a later
@@ -448,8 +448,8 @@ class BucketedTrainer:
                 read-ahead does for batches; 0 (the default) reads the stream in this
                 thread. Each sequence crosses from the thread on its own, and the two
                 threads share Python's lock: on a 2-core CPU, two updates' sequences
-                read ahead made updates 4-8% slower for a loader of a fifth of the
-                update's time, and 8-29% faster for one longer than the update
+                read ahead made updates 9% slower for a loader of a third of the
+                update's time, and 22% faster for one longer than the update
                 (``experiments/loader_overlap.py``): give it when the loader is slow.
 
         Returns:

@@ -147,7 +147,7 @@ class _Pending:
 
     def __bool__(self) -> bool:
         """Whether anything waits: examples taken in, or batches or an error handed back."""
-        return bool(self.count or self.unread.items or self.unread.error)
+        return bool(self.count or self.unread)
 
 
 # What each source iterator has had read past the last batch yielded from it, so that a

@@ -28,6 +28,15 @@ class Unread(NamedTuple):
     items: list[Any]
     error: BaseException | None = None
 
+    def __bool__(self) -> bool:
+        """Whether anything was handed back: an item, or the stream's error.
+
+        Example:
+            >>> bool(Unread([])), bool(Unread([1])), bool(Unread([], OSError("gone")))
+            (False, True, True)
+        """
+        return bool(self.items) or self.error is not None
+
 
 def _read(
     iterator: Iterator[Any],
