@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 
 
 def equinox_classifier_loss(model: eqx.Module):
@@ -38,10 +39,10 @@ def main(updates: int = 10, target: int = 256, memory_limit: int | None = 2 * 10
         loss_fn, optax.adam(3e-3), target_batch_size=target, memory_limit=memory_limit,
         has_aux=True, plan_cache=False,
     )  # fmt: skip
-    state = trainer.init(params, ja.synthetic_images(target))
+    state = trainer.init(params, synthetic_images(target))
     print(f"plan: {trainer.micro_batch_size} x {trainer.accumulation_steps}")
     for update in range(updates):
-        state, metrics = trainer.step(state, ja.synthetic_images(target, seed=update + 1))
+        state, metrics = trainer.step(state, synthetic_images(target, seed=update + 1))
         print(f"update {update + 1}: loss {float(metrics['loss']):.4f}")
     return float(metrics["loss"])
 

@@ -21,6 +21,7 @@ import optax
 from flax.training import train_state
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 
 
 class CNN(nn.Module):
@@ -87,7 +88,7 @@ def main(steps: int = 5, batch_size: int = 256, memory_limit: int | None = 10**6
         build_train_step, memory_limit=memory_limit, plan_cache=False
     )
     for i in range(steps):
-        batch = ja.synthetic_images(batch_size, image_shape=(8, 8, 3), seed=i)
+        batch = synthetic_images(batch_size, image_shape=(8, 8, 3), seed=i)
         state, metrics = adaptive_train_step(state, batch)
         plan = adaptive_train_step.plan_info
         print(

@@ -26,6 +26,7 @@ import optax
 from common import write_result
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import CNN, linen_classifier_loss
 
 GOAL = 1.05
@@ -63,7 +64,7 @@ def main() -> None:
         parser.error("every k must divide --target, and k = 1 (the baseline) must be among them")
 
     model = CNN(num_classes=10)
-    data = {k: np.asarray(v) for k, v in ja.synthetic_images(args.target).items()}
+    data = {k: np.asarray(v) for k, v in synthetic_images(args.target).items()}
     params = model.init(jax.random.key(0), jnp.zeros((1, *data["image"].shape[1:])))["params"]
     optimizer = optax.adam(1e-3)
     device_data = jax.device_put(data)

@@ -34,6 +34,8 @@ import optax
 from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
+from jax_adaptive.buckets import bucket_for
+from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.models import GPT, gpt_token_loss
 
 RESULTS = Path(__file__).parent / "results"
@@ -67,7 +69,7 @@ def _padding(lengths: np.ndarray, args: argparse.Namespace, trained: float) -> d
     """Masked shares of the positions computed, from the lengths (every sequence counted)."""
     tokens = lengths.sum()
     buckets = ja.pow2_buckets(args.max_length, args.min_bucket)
-    padded = sum(ja.bucket_for(int(n), buckets) for n in lengths)
+    padded = sum(bucket_for(int(n), buckets) for n in lengths)
     rng = np.random.default_rng(0)
     per_batch = max(1, args.target_tokens // int(np.median(lengths)))
     order = rng.permutation(len(lengths))
@@ -87,7 +89,7 @@ def _padding(lengths: np.ndarray, args: argparse.Namespace, trained: float) -> d
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = GPT(vocab_size=64, max_len=args.max_length, width=64, depth=2, heads=4)
     sequences = list(
-        ja.synthetic_sequences(
+        synthetic_sequences(
             args.sequences, max_length=args.max_length, median_length=64, sigma=0.9, seed=0
         )
     )

@@ -138,7 +138,7 @@ def against_optax(
 def program_update(trainer, params, batch) -> Callable[[], None]:
     """The trainer's fused program of the whole update, called directly (no host work).
 
-    Its arguments follow `ja.make_micro_step`'s convention; the totals' zeros and the
+    Its arguments follow `make_micro_step`'s convention; the totals' zeros and the
     scalars are on the device, made once, as the trainer's update keeps them.
     """
     chunk = trainer.accumulation_steps

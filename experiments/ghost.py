@@ -32,6 +32,7 @@ import optax
 from common import grouped_bars, pyplot, save_figure, write_result
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import ResNetTiny, linen_classifier_loss
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     T, g = args.target, args.ghost
     rounds = 3 if args.quick else args.rounds
     model = ResNetTiny(num_classes=10)
-    data = ja.synthetic_images(T)
+    data = synthetic_images(T)
     variables = model.init(jax.random.key(0), jnp.zeros((1, *data["image"].shape[1:])))
 
     cost: dict[str, dict[str, float]] = {}

@@ -364,6 +364,7 @@ def child_peak(smoke: bool, size: int | None) -> dict[str, Any]:
     import optax
 
     import jax_adaptive as ja
+    from jax_adaptive.memory import memory_report
 
     assert size is not None, "estimate_vs_peak needs --size"
     loss_fn, params, batch = _position_mlp(smoke, size)
@@ -388,7 +389,7 @@ def child_peak(smoke: bool, size: int | None) -> dict[str, Any]:
     return {
         "size": size,
         "estimate": estimate,
-        "report": ja.memory_report(compiled),
+        "report": memory_report(compiled),
         "bytes_in_use_before": in_use,
         "peak_bytes_in_use": peak,
         "peak_increase": None if peak is None or in_use is None else peak - in_use,
@@ -539,7 +540,7 @@ def child_donation(smoke: bool, size: int | None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    import jax_adaptive as ja
+    from jax_adaptive.memory import memory_report
 
     warnings.simplefilter("ignore")  # "donated buffers were not usable", if any
     n = 2**20 if smoke else 2**24
@@ -555,7 +556,7 @@ def child_donation(smoke: bool, size: int | None) -> dict[str, Any]:
     rows = -(-3 * limit // 2 // (4 * n))
     x = jnp.ones(n)
     x.block_until_ready()
-    temp = ja.memory_report(f.lower(x, rows).compile())["temp"]
+    temp = memory_report(f.lower(x, rows).compile())["temp"]
     outcome = _attempt(lambda: jax.block_until_ready(f(x, rows)))
     deleted = bool(x.is_deleted())
     reuse = _attempt(lambda: (x + 0.0).block_until_ready())
@@ -698,10 +699,11 @@ def _speed_cnn(cfg: dict[str, Any], result: dict[str, Any]) -> None:
 
     import jax_adaptive as ja
     from jax_adaptive import models
+    from jax_adaptive.data import synthetic_images
 
     target, micro = cfg["cnn"]
     model = models.CNN(num_classes=10)
-    data = jax.device_put(ja.synthetic_images(target))
+    data = jax.device_put(synthetic_images(target))
     params = model.init(jax.random.key(0), data["image"][:1])["params"]
     variants, trainers = {}, {}
     for chunk in ("auto", 1):

@@ -72,6 +72,7 @@ def _problem():
 def _updates(micro: int | str, count: int, fail_first: bool = False) -> list[float]:
     """MiB copied by each of ``count`` updates (the last one's first micro-step fails)."""
     import jax_adaptive as ja
+    from jax_adaptive import testing
 
     params, batch = _problem()
     trainer = ja.AdaptiveTrainer(
@@ -82,7 +83,7 @@ def _updates(micro: int | str, count: int, fail_first: bool = False) -> list[flo
     for i in range(count):
         with DeviceGetCounter() as counter:
             if fail_first and i == count - 1:
-                with ja.testing.inject_oom(trainer, executions={1}):
+                with testing.inject_oom(trainer, executions={1}):
                     state, _ = trainer.step(state, batch)
             else:
                 state, _ = trainer.step(state, batch)

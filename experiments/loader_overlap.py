@@ -53,6 +53,7 @@ from dispatch import T, adam_step, batch_of, microbatch_grads, mlp, paired, quar
 from dispatch import measure as dispatch_measure
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.models import GPT, gpt_token_loss
 
 CASES = {"8": (8, 128), "512-wide": (512, 2048)}  # micro-batch, hidden width
@@ -110,7 +111,7 @@ def trainer_runs(params: Any, loss: Callable, m: int) -> dict[str, Callable[[Ite
 
 def sequence_loader(passes: int, seed: int = 1) -> Iterator[dict[str, np.ndarray]]:
     """Endless sequences of log-normal lengths to 64, each costing the host ``passes`` passes."""
-    for sequence in ja.synthetic_sequences(max_length=64, seed=seed):
+    for sequence in synthetic_sequences(max_length=64, seed=seed):
         x = np.repeat(sequence["tokens"][:, None].astype(np.float32), 256, axis=1)
         for _ in range(passes):
             x = np.tanh(x) * np.float32(0.5) + x * np.float32(0.5)

@@ -24,6 +24,7 @@ import optax
 from common import write_result
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import CNN, linen_classifier_loss
 
 
@@ -65,7 +66,7 @@ def main() -> None:
         parser.error("--micro must divide --target so both loops run the same micro-steps")
 
     model = CNN(num_classes=10)
-    data = {k: np.asarray(v) for k, v in ja.synthetic_images(args.target).items()}
+    data = {k: np.asarray(v) for k, v in synthetic_images(args.target).items()}
     params = model.init(jax.random.key(0), jnp.zeros((1, *data["image"].shape[1:])))["params"]
     optimizer = optax.adam(1e-3)
 

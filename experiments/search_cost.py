@@ -48,7 +48,9 @@ import optax
 from common import pyplot, save_figure, write_result
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import CNN, GPT, MLP, ResNetTiny, gpt_token_loss, linen_classifier_loss
+from jax_adaptive.step import make_optimizer_step
 
 ALGORITHMS = ("ours", "halving", "accelerate", "pl_power", "pl_binsearch", "exact")
 
@@ -68,7 +70,7 @@ class Setup:
 
 
 def build(name: str, target: int) -> Setup:
-    images = {k: np.asarray(v) for k, v in ja.synthetic_images(2).items()}
+    images = {k: np.asarray(v) for k, v in synthetic_images(2).items()}
     if name == "MLP":
         model = MLP(features=(256, 256), num_classes=10)
         params = model.init(jax.random.key(0), jnp.asarray(images["image"]))["params"]
@@ -124,7 +126,7 @@ class SharedCompiles:
         # The trainer's optimizer step, updating the state in place (what it falls back to
         # when the state twice does not fit): a limit below its need leaves no size.
         totals = {"loss": np.float32(0), **({"accuracy": np.float32(0)} if setup.has_aux else {})}
-        step = ja.make_optimizer_step(optax.adam(1e-3), setup.target)
+        step = make_optimizer_step(optax.adam(1e-3), setup.target)
         step = jax.jit(step, donate_argnums=(0, 1))
         compiled = step.lower(state.params, state.opt_state, totals, np.int32(1)).compile()
         self.optimizer_step_bytes = ja.estimate_peak_bytes(compiled)

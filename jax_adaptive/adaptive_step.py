@@ -8,7 +8,7 @@ whatever the size), and `AdaptiveStep` does the rest with the trainer's rules:
 * **the plan**: it compiles your step ahead of time for candidate sizes
   (``jax.ShapeDtypeStruct``s of your state and batch, nothing allocated) and keeps the
   largest whose `jax_adaptive.Ledger` fits the capacity, through
-  `jax_adaptive.search_max_size` guided by a `jax_adaptive.MemoryModel`, remembered in
+  `jax_adaptive.search_max_size` guided by a `jax_adaptive.memory.MemoryModel`, remembered in
   the plan cache. The ledger counts everything live while the step runs: the arguments
   whole (JAX prunes the ones a program does not read, yet they stay resident), the
   step's new outputs (those not aliased to a donated argument), its temporaries and
@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jax_adaptive.data import leading_size
+from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, StateLostError, catch_oom
 from jax_adaptive.executables import compile_measured
 from jax_adaptive.memory import (
     Ledger,
@@ -50,12 +51,9 @@ from jax_adaptive.memory import (
     tree_bytes,
     usable_capacity,
 )
-from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError
 from jax_adaptive.sizing import SizeSearch
-from jax_adaptive.update import StateLostError
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
 
@@ -117,7 +115,7 @@ class AdaptiveStep:
 
     Attributes:
         search_log: every `jax_adaptive.SizeTrial`, in order.
-        memory_model: the `jax_adaptive.MemoryModel` of the sizes measured.
+        memory_model: the `jax_adaptive.memory.MemoryModel` of the sizes measured.
         compiles: step compiles so far.
         host_bytes: bytes copied to the host to make failures recoverable.
         fault_hook: an object with ``before_compile(size)`` and

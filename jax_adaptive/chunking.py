@@ -19,9 +19,9 @@ from typing import Literal
 import jax
 
 from jax_adaptive.distributed import process_min
+from jax_adaptive.errors import catch_oom
 from jax_adaptive.executables import Executable, Executables
 from jax_adaptive.memory import Ledger
-from jax_adaptive.oom import catch_oom
 from jax_adaptive.plan import chunk_length
 from jax_adaptive.step import TrainState
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_adaptive.oom import HostOutOfMemory
+from jax_adaptive.errors import HostOutOfMemory
 from jax_adaptive.read_ahead import Unread
 from jax_adaptive.streams import Feed, Left
 

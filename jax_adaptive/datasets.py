@@ -36,7 +36,7 @@ class Source(Protocol):
 
 
 class SyntheticSource:
-    """The synthetic images of `jax_adaptive.synthetic_images` as a random-access source.
+    """The synthetic images of `jax_adaptive.data.synthetic_images` as a random-access source.
 
     Example:
         >>> source = SyntheticSource(100)

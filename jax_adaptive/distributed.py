@@ -27,7 +27,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_adaptive.oom import PeerOutOfMemory, catch_oom
+from jax_adaptive.errors import PeerOutOfMemory, catch_oom
 
 __all__ = [
     "LocalShards",
@@ -79,9 +79,8 @@ def place(tree: Any, where: Any) -> Any:
         The pytree of ``jax.Array``s.
 
     Example:
-        >>> import jax_adaptive as ja
-        >>> sharding = NamedSharding(ja.data_mesh(), PartitionSpec("data"))
-        >>> x = ja.place({"x": np.ones((jax.device_count(), 3))}, sharding)["x"]
+        >>> sharding = NamedSharding(data_mesh(), PartitionSpec("data"))
+        >>> x = place({"x": np.ones((jax.device_count(), 3))}, sharding)["x"]
         >>> x.sharding == sharding
         True
     """
@@ -202,7 +201,7 @@ def agreed(fn: Callable[[], T], size: int) -> T:
     """Runs ``fn``, raising on every process if it ran out of memory on any.
 
     Under ``jax.distributed`` the process that ran out raises its own error and the
-    others `jax_adaptive.PeerOutOfMemory`; with one process this is ``fn()``.
+    others `jax_adaptive.errors.PeerOutOfMemory`; with one process this is ``fn()``.
 
     Example:
         >>> agreed(lambda: 3, size=8)

@@ -5,7 +5,7 @@ fits a batch many times the training micro-batch, and an evaluation out-of-memor
 not shrink training. `Evaluator` sizes its own program the way the planner sizes a
 micro-step, with the same parts:
 
-* the search (`jax_adaptive.search_max_size`, guided by a `jax_adaptive.MemoryModel`)
+* the search (`jax_adaptive.search_max_size`, guided by a `jax_adaptive.memory.MemoryModel`)
   compiles candidate batch sizes ahead of time and decides each by its
   `jax_adaptive.Ledger`: everything resident (the parameters and any other state the
   caller names, read or not), the batch in flight with the program's outputs, and the
@@ -38,6 +38,7 @@ import numpy as np
 
 from jax_adaptive.checks import positive_int
 from jax_adaptive.data import MicroBatch, leading_size, micro_batches
+from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.executables import Executable, FaultHook, compile_measured, example_structs
 from jax_adaptive.memory import (
     Ledger,
@@ -47,10 +48,8 @@ from jax_adaptive.memory import (
     tree_bytes,
     usable_capacity,
 )
-from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan import least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError
 from jax_adaptive.sizing import SizeSearch
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]

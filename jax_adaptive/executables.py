@@ -54,7 +54,7 @@ __all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs", "co
 
 
 class MicroArgs(NamedTuple):
-    """The micro-step's arguments, by name (see `jax_adaptive.make_micro_step`)."""
+    """The micro-step's arguments, by name (see `jax_adaptive.step.make_micro_step`)."""
 
     params: Any
     opt_state: Any  # the MultiStepsState with acc_grads=None

@@ -22,46 +22,13 @@ from typing import Any, TypeVar
 
 import jax
 
-from jax_adaptive.update import OptimizerStepOutOfMemory
+from jax_adaptive.errors import FitError, OptimizerStepOutOfMemory
 
-__all__ = ["FitError", "fit_loop"]
+__all__ = ["fit_loop"]
 
 log = logging.getLogger("jax_adaptive")
 
 State = TypeVar("State")
-
-
-class FitError(RuntimeError):
-    """``fit`` stopped part-way; what it did is here, the error that stopped it is ``__cause__``.
-
-    Attributes:
-        state: the state after the last update that completed (the state ``fit`` was
-            given when none did): go on from it, or save it.
-        history: the metrics of the updates this call completed.
-        batch: the batch in flight, whose update did not complete; the stream has
-            moved past it (None when no update was in flight: the error came from the
-            stream, from ``after_update`` or from ``on_update``).
-
-    Example:
-        >>> def step(state, batch):
-        ...     if batch < 0:
-        ...         raise ValueError(f"bad batch {batch}")
-        ...     return state + batch, {"loss": batch, "examples": 1}
-        >>> try:
-        ...     fit_loop(step, 0, [1, 2, -3, 4])
-        ... except FitError as error:
-        ...     print(error.state, len(error.history), error.batch, repr(error.__cause__))
-        3 2 -3 ValueError('bad batch -3')
-    """
-
-    def __init__(self, state: Any, history: list[dict[str, Any]], batch: Any, cause: BaseException):
-        self.state, self.history, self.batch = state, history, batch
-        first = str(cause).splitlines()[0] if str(cause) else ""
-        super().__init__(
-            f"fit stopped at update {len(history) + 1} by {type(cause).__name__}: {first} "
-            f"(the state after the {len(history)} updates it completed is in error.state, "
-            "their metrics in error.history)"
-        )
 
 
 def _update(

@@ -26,6 +26,7 @@ import jax
 
 from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
+from jax_adaptive.errors import NothingFitsError, PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.executables import Executable, Executables
 from jax_adaptive.memory import (
     Ledger,
@@ -35,10 +36,8 @@ from jax_adaptive.memory import (
     tree_bytes,
     usable_capacity,
 )
-from jax_adaptive.oom import PeerOutOfMemory, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan import Objective, Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.search import NothingFitsError
 from jax_adaptive.sizing import SizeSearch
 from jax_adaptive.step import TrainState
 
@@ -68,13 +67,13 @@ class Planner:
         shards: the data shards every size must be a multiple of.
         device: the device whose capacity counts.
         memory_prior: a predicted ``(intercept, slope)`` of the peak against the size
-            (`jax_adaptive.predict_line`), guiding the first compiles of a search.
+            (`jax_adaptive.buckets.predict_line`), guiding the first compiles of a search.
 
     Attributes:
         search_log: every `SizeTrial`.
         sizes: the `jax_adaptive.sizing.SizeSearch` deciding which sizes fit.
         throughput_log: the timed candidates of ``objective="throughput"``.
-        memory_model: the `jax_adaptive.MemoryModel` of every size measured.
+        memory_model: the `jax_adaptive.memory.MemoryModel` of every size measured.
     """
 
     def __init__(

@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["NothingFitsError", "SearchResult", "SearchTrial", "search_max_size"]
+from jax_adaptive.errors import NothingFitsError
+
+__all__ = ["SearchResult", "SearchTrial", "search_max_size"]
 
 
 class SearchTrial(NamedTuple):
@@ -33,18 +35,6 @@ class SearchResult(NamedTuple):
     def calls(self) -> int:
         """The number of oracle calls made."""
         return len(self.trials)
-
-
-class NothingFitsError(RuntimeError):
-    """Raised when even the smallest candidate size does not fit."""
-
-    def __init__(self, smallest: int, trials: list[SearchTrial], detail: str = ""):
-        self.smallest = smallest
-        self.trials = trials
-        super().__init__(
-            f"no size fits: even the smallest candidate, {smallest}, does not fit"
-            f"{': ' + detail if detail else ''} (sizes tried: {[t.size for t in trials]})."
-        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

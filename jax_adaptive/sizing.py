@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.memory import Ledger, learned_capacity
-from jax_adaptive.oom import SimulatedOutOfMemory, catch_oom
 from jax_adaptive.plan import DecidedBy, SizeTrial
-from jax_adaptive.search import NothingFitsError, search_max_size
+from jax_adaptive.search import search_max_size
 
 __all__ = ["SizeSearch"]
 

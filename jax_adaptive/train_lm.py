@@ -1,7 +1,7 @@
 """The command line's language-model path: ``python -m jax_adaptive.train --model gpt``.
 
 The zoo's small GPT trains on synthetic sequences of log-normal lengths
-(`jax_adaptive.synthetic_sequences`) through a `BucketedTrainer`: power-of-two buckets
+(`jax_adaptive.data.synthetic_sequences`) through a `BucketedTrainer`: power-of-two buckets
 up to ``--max-length``, ``--target-tokens`` padded tokens per update, each bucket's
 plan searched on its first use, and the loss weighted per real token. The workdir and
 the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket planned.

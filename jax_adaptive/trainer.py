@@ -32,9 +32,9 @@ from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.schedule import BatchSchedule, ScheduleSpec
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
-from jax_adaptive.update import OptimizerStepOutOfMemory, StateLostError, Updater
+from jax_adaptive.update import Updater
 
-__all__ = ["AdaptiveTrainer", "OptimizerStepOutOfMemory", "SizeTrial", "StateLostError"]
+__all__ = ["AdaptiveTrainer"]
 
 log = logging.getLogger("jax_adaptive")
 
@@ -51,7 +51,7 @@ class AdaptiveTrainer:
         target_batch_size: examples per optimizer update: any positive int, or a
             batch-size schedule over the updates applied so far (``state.updates``): a
             callable ``updates -> int``, a list of ``(update, size)`` steps such as
-            ``[(0, 64), (100, 256)]`` or a `jax_adaptive.BatchSchedule`. Each update is
+            ``[(0, 64), (100, 256)]`` or a `jax_adaptive.schedule.BatchSchedule`. Each update is
             exact for its own size; the micro-batch stays the largest that fits, only
             capped by the size, and one compile per micro-batch size serves every size.
             A restored state goes on with the schedule where it left it.
@@ -83,7 +83,7 @@ class AdaptiveTrainer:
             False for none, a path, or a `jax_adaptive.PlanCache`.
         objective: ``"least_padding"`` (the default): the fewest micro-steps the
             largest size that fits allows, with the least padding (``ceil(T / k)``
-            rounded up to ``multiple_of``; `jax_adaptive.least_padding_size`);
+            rounded up to ``multiple_of``; `jax_adaptive.plan.least_padding_size`);
             ``"max"``: the largest size that fits itself; ``"throughput"``: the fastest
             update among the largest size and the sizes with the fewest micro-steps and
             the least padding (``ceil(T / k)`` for the few smallest ``k``), each timed
@@ -117,7 +117,7 @@ class AdaptiveTrainer:
             ledger counts them: 1 (the default) costs a dispatch's gap between programs,
             nothing next to a long one; 2 hides it at the memory of a second program.
         memory_prior: a predicted ``(intercept, slope)`` of the peak in bytes against
-            the micro-batch size (`jax_adaptive.predict_line`) to guide the first
+            the micro-batch size (`jax_adaptive.buckets.predict_line`) to guide the first
             compiles of the search.
 
     Attributes:
@@ -269,7 +269,7 @@ class AdaptiveTrainer:
 
     @property
     def memory_model(self) -> MemoryModel:
-        """The `jax_adaptive.MemoryModel`: every size measured, and its peak."""
+        """The `jax_adaptive.memory.MemoryModel`: every size measured, and its peak."""
         return self._planner.memory_model
 
     @property
@@ -403,7 +403,7 @@ class AdaptiveTrainer:
 
         Args:
             size: the micro-batch size, in ``[1, target_batch_size]``.
-            chunk: micro-steps in the program (`jax_adaptive.make_micro_step`'s arguments
+            chunk: micro-steps in the program (`jax_adaptive.step.make_micro_step`'s arguments
                 with ``chunk * size`` examples; `ledger` gives its peak).
             with_optimizer_step: the update's last program instead: those micro-steps,
                 then the optimizer step; it returns ``(params, opt_state, model_state,

@@ -45,32 +45,18 @@ import numpy as np
 
 from jax_adaptive.data import micro_batches
 from jax_adaptive.distributed import Placement, agreed, host_copy, place, process_min
+from jax_adaptive.errors import (
+    OptimizerStepOutOfMemory,
+    StateLostError,
+    catch_oom,
+    is_oom,
+)
 from jax_adaptive.executables import MicroArgs, zeros
 from jax_adaptive.memory import tree_bytes
-from jax_adaptive.oom import catch_oom, is_oom
 from jax_adaptive.planner import Planner
 from jax_adaptive.step import Batch, TrainState
 
-__all__ = ["OptimizerStepOutOfMemory", "StateLostError", "Updater"]
-
-
-class OptimizerStepOutOfMemory(RuntimeError):
-    """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
-
-    The optimizer step needs the same memory whatever the micro-batch size, so shrinking
-    cannot help: free device memory, then call ``step(error.state, batch)`` again.
-    """
-
-    def __init__(self, state: TrainState):
-        self.state = state
-        super().__init__(
-            "the optimizer step ran out of memory (its need does not depend on the "
-            "micro-batch size); the state at the start of the update is in error.state."
-        )
-
-
-class StateLostError(RuntimeError):
-    """A donating call failed after its first run and XLA deleted the train state."""
+__all__ = ["Updater"]
 
 
 class _Saved(NamedTuple):

@@ -20,8 +20,8 @@ from flax import nnx
 from helpers import assert_trees_close, full_batch_reference
 
 import jax_adaptive as ja
+from jax_adaptive import NnxTrainer
 from jax_adaptive.models import (
-    NnxTrainer,
     ResNet,
     linen_classifier_loss,
     nnx_classifier_loss,

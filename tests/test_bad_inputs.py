@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.data import leading_size
 from jax_adaptive.train import main
 
 T = 8
@@ -121,7 +122,7 @@ LIBRARY = {
         "num_updates=0"),
     "Rebatcher size=0": (lambda: ja.Rebatcher([], 0), "size=0"),
     "leading sizes disagree": (
-        lambda: ja.leading_size({"x": np.zeros(3), "y": np.zeros(4)}), "disagree"),
+        lambda: leading_size({"x": np.zeros(3), "y": np.zeros(4)}), "disagree"),
 }  # fmt: skip
 
 

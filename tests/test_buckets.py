@@ -18,6 +18,8 @@ import pytest
 from helpers import assert_trees_close
 
 import jax_adaptive as ja
+from jax_adaptive.buckets import bucket_for, predict_line
+from jax_adaptive.memory import MemoryModel
 from jax_adaptive.models import GPT, gpt_token_loss
 from jax_adaptive.testing import inject_oom
 
@@ -279,10 +281,10 @@ def test_predict_line_recovers_a_peak_linear_in_tokens_and_attention():
         return 5_000 + 20 * length + m * (7 * length + 2 * length**2)
 
     seen = {(length, m): peak(length, m) for length in (32, 128) for m in (3, 8, 20)}
-    intercept, slope = ja.predict_line(seen, 64, capacity=10**6)
+    intercept, slope = predict_line(seen, 64, capacity=10**6)
     assert intercept == pytest.approx(peak(64, 0), rel=1e-6)
     assert slope == pytest.approx(peak(64, 1) - peak(64, 0), rel=1e-6)
-    model = ja.MemoryModel(prior=(intercept, slope))
+    model = MemoryModel(prior=(intercept, slope))
     assert model.largest_within(peak(64, 11)) == 11
 
 
@@ -294,7 +296,7 @@ def test_buckets_group_a_stream_without_losing_or_repeating_a_sequence():
     assert sorted(seen) == [0, 1, 2, 3, 4, 6, 7, 8]  # 5 (length 16) waits for a partner
     for b in batches:
         lengths = b.batch["mask"].sum(axis=1)
-        assert all(ja.bucket_for(int(n), (4, 8, 16)) == b.bucket for n in lengths)
+        assert all(bucket_for(int(n), (4, 8, 16)) == b.bucket for n in lengths)
     assert ja.pow2_buckets(100) == (16, 32, 64, 100)
     assert ja.pow2_buckets(64, min_length=8) == (8, 16, 32, 64)
 
@@ -305,7 +307,7 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="largest bucket"):
         _trainer(target_tokens=8)
     with pytest.raises(ValueError, match="length 17 does not fit any bucket of \\[4, 8, 16\\]"):
-        ja.bucket_for(17, BUCKETS)
+        bucket_for(17, BUCKETS)
     trainer = _trainer()
     with pytest.raises(RuntimeError, match="init"):
         trainer.step(None, ja.BucketBatch(4, {}))

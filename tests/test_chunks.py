@@ -18,7 +18,9 @@ from helpers import regression_batches as batches_of
 from user_model import CNN
 
 import jax_adaptive as ja
+from jax_adaptive import testing
 from jax_adaptive.chunking import SLOWER_CHUNK
+from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import linen_classifier_loss
 from jax_adaptive.testing import inject_oom
 
@@ -240,7 +242,7 @@ def test_an_update_transfers_only_its_batch():
     each run received, recorded by a fault hook that never fires."""
     seen = []
 
-    class Recorder(ja.testing.FaultInjector):
+    class Recorder(testing.FaultInjector):
         def before_execution(self, size, args):
             seen.append(args)
 
@@ -316,7 +318,7 @@ def test_a_chunk_much_slower_than_its_micro_steps_one_by_one_is_not_taken():
     compiled programs (the whole update in one program, and one micro-step), then the
     full-batch step."""
     T, m = 64, 16
-    data = ja.synthetic_images(3 * T)
+    data = synthetic_images(3 * T)
     batches = [{k: v[i * T : (i + 1) * T] for k, v in data.items()} for i in range(3)]
     model = CNN(features=(32, 64), dense=256)  # the Flax MNIST example's widths
     params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))["params"]

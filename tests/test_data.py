@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.data import leading_size, micro_batches, synthetic_images
 
 
 @pytest.mark.parametrize("total", [1, 7, 12])
@@ -17,7 +18,7 @@ def test_micro_batches_cover_each_row_once(total, size, on_device):
     elif on_device:
         batch = jax.device_put(batch)
     seen = []
-    parts = list(ja.micro_batches(batch, size))
+    parts = list(micro_batches(batch, size))
     assert len(parts) == -(-total // size)
     for part in parts:
         ids = np.asarray(part.batch["id"])
@@ -34,16 +35,16 @@ def test_micro_batches_cover_each_row_once(total, size, on_device):
 
 def test_leading_size_errors():
     with pytest.raises(ValueError, match="no arrays"):
-        ja.leading_size({})
+        leading_size({})
     with pytest.raises(ValueError, match="scalar"):
-        ja.leading_size({"x": np.float32(1.0)})
+        leading_size({"x": np.float32(1.0)})
     with pytest.raises(ValueError, match="disagree"):
-        ja.leading_size({"x": np.zeros(3), "y": np.zeros(4)})
+        leading_size({"x": np.zeros(3), "y": np.zeros(4)})
 
 
 def test_synthetic_images_share_patterns_across_seeds():
-    a = ja.synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=1)
-    b = ja.synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=2)
+    a = synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=1)
+    b = synthetic_images(500, image_shape=(4, 4, 1), num_classes=2, seed=2)
     assert not np.array_equal(a["image"], b["image"])
     for data in (a, b):
         means = [data["image"][data["label"] == c].mean(0) for c in (0, 1)]

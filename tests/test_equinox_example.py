@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
 
 eqx = pytest.importorskip("equinox")
 _PATH = Path(__file__).parents[1] / "examples" / "equinox_model.py"
@@ -18,7 +19,7 @@ spec.loader.exec_module(example)
 def test_the_equinox_adapter_gives_the_full_batch_update():
     model = eqx.nn.MLP(16 * 16 * 3, 10, width_size=8, depth=1, key=jax.random.key(0))
     params, loss_fn = example.equinox_classifier_loss(model)
-    batch = ja.synthetic_images(40)
+    batch = synthetic_images(40)
     trainer = ja.AdaptiveTrainer(loss_fn, optax.sgd(0.5), target_batch_size=40,
                                  micro_batch_size=7, has_aux=True, plan_cache=False)  # fmt: skip
     state, _ = trainer.step(trainer.init(params, batch), batch)

@@ -11,7 +11,8 @@ from flax import nnx
 from helpers import assert_trees_close
 
 import jax_adaptive as ja
-from jax_adaptive.models import NnxTrainer, ResNet, linen_classifier_loss
+from jax_adaptive import NnxTrainer
+from jax_adaptive.models import ResNet, linen_classifier_loss
 
 T, G = 48, 8  # target batch, ghost batch
 MODEL = ResNet(stage_sizes=(1,), num_filters=4, num_classes=3)

@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_adaptive as ja
+from jax_adaptive.memory import MemoryModel
 
 
 def guided_search(peak, capacity, hi):
     """Runs search_max_size on ``peak(size) <= capacity`` as the trainer does."""
-    model = ja.MemoryModel()
+    model = MemoryModel()
 
     def fits(size):
         model.add(size, peak(size))
@@ -70,17 +71,17 @@ def test_median_calls_for_t_4096_on_a_mildly_curved_peak():
 
 
 def test_no_line_no_guess():
-    assert ja.MemoryModel().largest_within(100) is None
-    assert ja.MemoryModel({4: 100, 8: 100}).largest_within(50) is None  # a flat line
-    assert ja.MemoryModel({10: 1_000}).largest_within(500) == 5  # through the origin
+    assert MemoryModel().largest_within(100) is None
+    assert MemoryModel({4: 100, 8: 100}).largest_within(50) is None  # a flat line
+    assert MemoryModel({10: 1_000}).largest_within(500) == 5  # through the origin
 
 
 def test_a_prior_line_guides_until_two_sizes_are_measured():
-    model = ja.MemoryModel(prior=(1_000, 10))
+    model = MemoryModel(prior=(1_000, 10))
     assert model.largest_within(2_000) == 100  # the prior's crossing
     model.add(50, 1_800)  # measured above the prior: through it with the prior's slope
     assert model.largest_within(2_000) == 70
     model.add(70, 2_400)  # two measurements: the prior steps aside
     assert model.largest_within(2_000) == 56
     with pytest.raises(ValueError, match="slope"):
-        ja.MemoryModel(prior=(1_000, 0))
+        MemoryModel(prior=(1_000, 0))

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.microbatch import micro_batch_sum
 
 T = 12
 
@@ -146,7 +147,7 @@ def test_micro_batch_sum_of_clipped_per_example_gradients(m):
         grads = clipped(per_example_grads(micro_batch))
         return jax.tree.map(lambda g: jnp.tensordot(weights, g, 1), grads)
 
-    _close(jax.jit(ja.micro_batch_sum(fn, m))(batch), want, rtol=1e-5, atol=1e-5)
+    _close(jax.jit(micro_batch_sum(fn, m))(batch), want, rtol=1e-5, atol=1e-5)
 
 
 def test_errors_show_the_values():

@@ -14,6 +14,7 @@ from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
 
 import jax_adaptive as ja
+from jax_adaptive.errors import HostOutOfMemory
 
 JOB = pathlib.Path(__file__).with_name("oom_forms_job.py")
 
@@ -60,7 +61,7 @@ def test_real_errors_that_are_not_out_of_memory(real_errors, form):
     "exc",
     [
         ja.SimulatedOutOfMemory(needed=10, available=5),
-        ja.HostOutOfMemory(1000),
+        HostOutOfMemory(1000),
         jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes."),
         ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes."),
         jax.errors.JaxRuntimeError(

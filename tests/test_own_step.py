@@ -11,6 +11,8 @@ import optax
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.data import synthetic_images
+from jax_adaptive.memory import memory_report, tree_bytes
 from jax_adaptive.testing import inject_oom
 
 T = 16
@@ -75,9 +77,9 @@ def brute_force():
     state, batch = _state(), _batch()
     totals = {}
     for m in range(1, T + 1):
-        report = ja.memory_report(_build(m).lower(state, batch).compile())
+        report = memory_report(_build(m).lower(state, batch).compile())
         program = report["output"] - report["alias"] + report["temp"] + report["code"]
-        totals[m] = ja.tree_bytes(state) + ja.tree_bytes(batch) + program
+        totals[m] = tree_bytes(state) + tree_bytes(batch) + program
     return totals
 
 
@@ -144,7 +146,7 @@ def test_a_failed_run_that_deleted_the_donated_state_loses_nothing(brute_force):
     first = step.plan(_state(), _batch()).micro_batch_size
     state, _ = step(_state(), _batch())
     assert step.micro_batch_size < first
-    assert step.host_bytes >= 3 * ja.tree_bytes(_state())  # a copy per size's first run
+    assert step.host_bytes >= 3 * tree_bytes(_state())  # a copy per size's first run
     _close(state[0], _reference([_batch()]))
 
 
@@ -217,7 +219,7 @@ _spec.loader.exec_module(example)
 
 
 def test_the_examples_step_at_a_size_that_does_not_divide_gives_the_flax_step_update():
-    batch = ja.synthetic_images(256, image_shape=(8, 8, 3))
+    batch = synthetic_images(256, image_shape=(8, 8, 3))
     before, before_metrics = example.train_step(
         example.create_train_state(jax.random.key(0)), batch
     )

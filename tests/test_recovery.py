@@ -9,6 +9,7 @@ import pytest
 from helpers import assert_trees_close, mlp_loss, mlp_params, regression_batches
 
 import jax_adaptive as ja
+from jax_adaptive import testing
 from jax_adaptive.models import linen_classifier_loss
 from jax_adaptive.testing import inject_oom
 
@@ -255,7 +256,7 @@ def test_other_errors_at_run_time_propagate_unchanged():
     trainer = ja.AdaptiveTrainer(mlp_loss, optax.sgd(0.1), target_batch_size=T)
     state = trainer.init(mlp_params(), batches[0])
 
-    class Exploding(ja.testing.FaultInjector):
+    class Exploding(testing.FaultInjector):
         def before_execution(self, size, args):
             raise Boom("not memory")
 

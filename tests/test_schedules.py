@@ -18,6 +18,7 @@ from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_para
 
 import jax_adaptive as ja
 from jax_adaptive.checkpoint import Checkpoints
+from jax_adaptive.schedule import batch_schedule
 from jax_adaptive.testing import inject_oom
 
 STEPS = [(0, 8), (2, 20), (4, 36)]  # 6 divides none of 8, 20 and 36 evenly but 36
@@ -61,7 +62,7 @@ def limit_for(largest):
     return probe.ledger(largest).total
 
 
-@pytest.mark.parametrize("spec", [STEPS, lambda u: SIZES[min(u, 5)], ja.batch_schedule(*STEPS)])
+@pytest.mark.parametrize("spec", [STEPS, lambda u: SIZES[min(u, 5)], batch_schedule(*STEPS)])
 def test_a_fixed_micro_batch_that_divides_no_size_is_exact_with_one_compile(spec):
     trainer = ja.AdaptiveTrainer(
         mlp_loss, OPT, target_batch_size=spec, micro_batch_size=6, plan_cache=False

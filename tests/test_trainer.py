@@ -12,6 +12,7 @@ from helpers import (
 )
 
 import jax_adaptive as ja
+from jax_adaptive.memory import memory_report
 from jax_adaptive.models import MLP, linen_classifier_loss
 from jax_adaptive.testing import inject_oom
 
@@ -142,7 +143,7 @@ def independent_peak(trainer, state, example_bytes, size):
     and its temporaries, from XLA's memory analysis), and the program's code.
     """
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4
-    r = ja.memory_report(trainer.compile(size))
+    r = memory_report(trainer.compile(size))
     inputs = size * example_bytes + 4 * size + 12
     in_flight = IN_FLIGHT * (inputs + r["output"] - r["alias"] + r["temp"])
     return state_bytes + in_flight + r["code"]
@@ -172,7 +173,7 @@ def test_an_adam_ledger_counts_the_moments_the_micro_step_never_reads(estimates)
         4 * sum(leaf[0].nbytes for leaf in jax.tree.leaves(batch)) + 4 * 4 + 12
     )  # weights; offset, k, target
     ledger = trainer.ledger(4)
-    program = ja.memory_report(trainer.compile(4))
+    program = memory_report(trainer.compile(4))
     # Adam's two moments are resident, though pruned from the program's arguments.
     assert ledger.state + inputs - program["argument"] >= 2 * param_bytes
     assert ledger.state == sum(leaf.nbytes for leaf in jax.tree.leaves(state)) + 4

@@ -1,13 +1,10 @@
 """A small Flax model zoo and the adapters that turn a model into a per-example loss.
 
-`NnxTrainer` trains an ``nnx.Module`` in place.
-
 ``ResNetTiny`` and ``ViTMicro`` are sized for CPU tests and benchmarks; ``ResNet18``,
 ``ResNet50``, ``ViTTiny`` and the default ``GPT`` (GPT-2 small) are the standard sizes.
 """
 
 from jax_adaptive.models.adapters import (
-    NnxTrainer,
     gpt_token_loss,
     linen_classifier_loss,
     nnx_classifier_loss,
@@ -24,7 +21,6 @@ __all__ = [
     "CNN",
     "GPT",
     "MLP",
-    "NnxTrainer",
     "ResNet",
     "ResNet18",
     "ResNet50",

@@ -3,8 +3,7 @@
 They take models written as Flax's own examples write them: linen BatchNorm with an
 ``axis_name`` (written for ``pmap``), NNX modules whose Dropout takes ``rngs`` at call
 time, a train/eval switch, and ghost batches (`jax_adaptive.ghost_batches`) that make
-BatchNorm training the same whatever micro-batch the device gets. `NnxTrainer` trains
-an ``nnx.Module`` in place.
+BatchNorm training the same whatever micro-batch the device gets.
 """
 
 import inspect
@@ -18,8 +17,6 @@ import optax
 from flax import nnx
 
 from jax_adaptive.ghost import ghost_batches
-from jax_adaptive.step import Batch, TrainState
-from jax_adaptive.trainer import AdaptiveTrainer
 
 Loss = Callable[[jax.Array, jax.Array], jax.Array]
 """``loss(logits, labels) -> losses``, one per example."""
@@ -345,122 +342,3 @@ def nnx_classifier_loss(
         return run(params, (), batch, rng)[0]
 
     return loss_fn
-
-
-class NnxTrainer:
-    """Trains an ``nnx.Module`` in place with `AdaptiveTrainer`, from an optax optimizer.
-
-    Each `step` runs one exact update of ``target_batch_size`` examples and writes the
-    new parameters and BatchNorm statistics (``nnx.BatchStat``) back into ``model``
-    (``nnx.update``), so the module is the trained model after every step: evaluate it
-    with ``model.eval()``, save it, train on. The plan, the search and the recovery
-    from out-of-memory are `AdaptiveTrainer`'s (``trainer``); the first `step` (or
-    `init`) plans the micro-batch size on its batch.
-
-    The loss is `nnx_classifier_loss` (``batch["image"]``, ``batch["label"]``) unless
-    ``loss_fn`` gives another: one taking the model state (``(params, model_state,
-    batch, rng) -> (output, model_state)``) when the model has ``nnx.BatchStat``
-    variables, ``(params, batch, rng) -> output`` when not; pass ``has_aux`` to match.
-
-    Args:
-        model: the module to train; updated in place.
-        optimizer: any ``optax.GradientTransformation``.
-        target_batch_size: examples per optimizer update.
-        loss_fn: the per-example loss, or None for `nnx_classifier_loss` in training mode.
-        ghost_batch_size: BatchNorm over groups of this many examples, so that training
-            does not depend on the micro-batch (`jax_adaptive.ghost_batches`); sets the
-            trainer's ``multiple_of`` to it unless given.
-        rng: the trainer's base key (Dropout and other randomness); ``key(0)`` if None.
-        **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
-            ``memory_limit``, ``has_aux``, ...).
-
-    Example:
-        >>> import numpy as np, optax
-        >>> from flax import nnx
-        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-        >>> trainer = NnxTrainer(model, optax.sgd(0.1), target_batch_size=8,
-        ...                      micro_batch_size=3)
-        >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
-        >>> before = np.asarray(model.kernel[...])
-        >>> metrics = trainer.step(batch)
-        >>> trainer.trainer.accumulation_steps, bool((model.kernel[...] != before).any())
-        (3, True)
-    """
-
-    def __init__(
-        self,
-        model: nnx.Module,
-        optimizer: optax.GradientTransformation,
-        *,
-        target_batch_size: int,
-        loss_fn: Callable[..., Any] | None = None,
-        ghost_batch_size: int | None = None,
-        rng: jax.Array | None = None,
-        **trainer_kwargs: Any,
-    ):
-        self.model = model
-        self.has_state = bool(nnx.state(model, nnx.BatchStat))
-        if loss_fn is None:
-            loss_fn = nnx_classifier_loss(
-                model,
-                mutable=nnx.BatchStat if self.has_state else None,
-                ghost_batch_size=ghost_batch_size,
-            )
-            trainer_kwargs.setdefault("has_aux", True)
-        if ghost_batch_size is not None:
-            trainer_kwargs.setdefault("multiple_of", ghost_batch_size)
-        self.trainer = AdaptiveTrainer(
-            loss_fn,
-            optimizer,
-            target_batch_size=target_batch_size,
-            has_state=self.has_state,
-            **trainer_kwargs,
-        )
-        self.rng = jax.random.key(0) if rng is None else rng
-        self.state: TrainState | None = None
-
-    def init(self, example_batch: Batch) -> TrainState:
-        """Plans the micro-batch size from the module's current values; returns the state.
-
-        Example:
-            >>> import numpy as np, optax
-            >>> from flax import nnx
-            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-            ...                      target_batch_size=8, micro_batch_size=4)
-            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
-            >>> int(trainer.init(batch).updates)
-            0
-        """
-        self.state = self.trainer.init(
-            nnx.state(self.model, nnx.Param),
-            example_batch,
-            rng=self.rng,
-            model_state=nnx.state(self.model, nnx.BatchStat) if self.has_state else (),
-        )
-        return self.state
-
-    def step(self, batch: Batch, *, weights: Any = None) -> dict[str, Any]:
-        """Runs one exact update on ``target_batch_size`` examples and updates the module.
-
-        Returns:
-            The update's metrics (`AdaptiveTrainer.step`).
-
-        Example:
-            >>> import numpy as np, optax
-            >>> from flax import nnx
-            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-            ...                      target_batch_size=8, micro_batch_size=4)
-            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
-            >>> int(trainer.step(batch)["examples"])
-            8
-        """
-        if self.state is None:
-            self.init(batch)
-        self.state, metrics = self.trainer.step(self.state, batch, weights=weights)
-        # The module holds the new state's arrays: a later update may donate them, and
-        # this line then replaces them before anyone reads the module again.
-        if self.has_state:
-            nnx.update(self.model, self.state.params, self.state.model_state)
-        else:
-            nnx.update(self.model, self.state.params)
-        return metrics

@@ -1,4 +1,12 @@
-"""Recognising XLA out-of-memory errors, and the simulated one.
+"""Every error the library raises, and the one rule for which of them are out-of-memory.
+
+Out-of-memory errors come from XLA (real ones), from a simulated capacity
+(`SimulatedOutOfMemory`), from the host building a padded micro-batch
+(`HostOutOfMemory`) or from another process (`PeerOutOfMemory`); `is_oom` tells them
+from every other error, which propagates unchanged. The rest say what stopped and what
+was kept: `NothingFitsError` (not even the smallest size fits), `FitError` (``fit``
+stopped part-way, with the state), `OptimizerStepOutOfMemory` (with the update's
+intact start state) and `StateLostError` (a donating run failed and no copy was kept).
 
 XLA reports a failed allocation in these forms (DESIGN.md, "How OOM surfaces"; texts as
 raised by jax 0.10 on a CPU under an address-space limit and jax 0.11 on an H200):
@@ -27,14 +35,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 
 __all__ = [
+    "FitError",
     "HostOutOfMemory",
+    "NothingFitsError",
+    "OptimizerStepOutOfMemory",
     "PeerOutOfMemory",
     "SimulatedOutOfMemory",
+    "StateLostError",
     "catch_oom",
     "is_oom",
 ]
@@ -127,7 +139,7 @@ class HostOutOfMemory(RuntimeError):
 
     Example:
         >>> import jax_adaptive as ja
-        >>> ja.is_oom(ja.HostOutOfMemory(1_000_000))
+        >>> ja.is_oom(HostOutOfMemory(1_000_000))
         True
     """
 
@@ -146,7 +158,7 @@ class PeerOutOfMemory(RuntimeError):
 
     Example:
         >>> import jax_adaptive as ja
-        >>> ja.is_oom(ja.PeerOutOfMemory(size=64))
+        >>> ja.is_oom(PeerOutOfMemory(size=64))
         True
     """
 
@@ -223,3 +235,94 @@ def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         if not is_oom(exc):
             raise
         return None, exc
+
+
+class NothingFitsError(RuntimeError):
+    """Raised when even the smallest candidate size does not fit.
+
+    Attributes:
+        smallest: the smallest candidate, which did not fit.
+        trials: the trials made before giving up.
+
+    Example:
+        >>> import jax_adaptive as ja
+        >>> try:
+        ...     ja.search_max_size(lambda size: False, hi=8)
+        ... except ja.NothingFitsError as error:
+        ...     print(error.smallest)
+        1
+    """
+
+    def __init__(self, smallest: int, trials: list[Any], detail: str = ""):
+        self.smallest = smallest
+        self.trials = trials
+        super().__init__(
+            f"no size fits: even the smallest candidate, {smallest}, does not fit"
+            f"{': ' + detail if detail else ''} (sizes tried: {[t.size for t in trials]})."
+        )
+
+
+class FitError(RuntimeError):
+    """``fit`` stopped part-way; what it did is here, the error that stopped it is ``__cause__``.
+
+    Attributes:
+        state: the state after the last update that completed (the state ``fit`` was
+            given when none did): go on from it, or save it.
+        history: the metrics of the updates this call completed.
+        batch: the batch in flight, whose update did not complete; the stream has
+            moved past it (None when no update was in flight: the error came from the
+            stream, from ``after_update`` or from ``on_update``).
+
+    Example:
+        >>> from jax_adaptive.loop import fit_loop
+        >>> def step(state, batch):
+        ...     if batch < 0:
+        ...         raise ValueError(f"bad batch {batch}")
+        ...     return state + batch, {"loss": batch, "examples": 1}
+        >>> try:
+        ...     fit_loop(step, 0, [1, 2, -3, 4])
+        ... except FitError as error:
+        ...     print(error.state, len(error.history), error.batch, repr(error.__cause__))
+        3 2 -3 ValueError('bad batch -3')
+    """
+
+    def __init__(self, state: Any, history: list[dict[str, Any]], batch: Any, cause: BaseException):
+        self.state, self.history, self.batch = state, history, batch
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        super().__init__(
+            f"fit stopped at update {len(history) + 1} by {type(cause).__name__}: {first} "
+            f"(the state after the {len(history)} updates it completed is in error.state, "
+            "their metrics in error.history)"
+        )
+
+
+class OptimizerStepOutOfMemory(RuntimeError):
+    """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
+
+    The optimizer step needs the same memory whatever the micro-batch size, so shrinking
+    cannot help: free device memory, then call ``step(error.state, batch)`` again.
+
+    Example:
+        >>> error = OptimizerStepOutOfMemory(state="the update's start state")
+        >>> error.state
+        "the update's start state"
+    """
+
+    def __init__(self, state: Any):
+        self.state = state
+        super().__init__(
+            "the optimizer step ran out of memory (its need does not depend on the "
+            "micro-batch size); the state at the start of the update is in error.state."
+        )
+
+
+class StateLostError(RuntimeError):
+    """A donating call failed after its first run and XLA deleted the train state.
+
+    Raised only where no host copy was kept (a size trusted after it ran once): restore
+    the state from a checkpoint.
+
+    Example:
+        >>> issubclass(StateLostError, RuntimeError)
+        True
+    """
