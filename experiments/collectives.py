@@ -79,6 +79,7 @@ def program_counts(params: Any, batch: Any, target: int, micro: int) -> dict[str
     import jax_adaptive as ja
     from jax_adaptive.distributed import Placement, place
     from jax_adaptive.executables import Executables
+    from jax_adaptive.sizing import Sizing
     from jax_adaptive.step import TrainState, multi_steps
 
     placement = Placement(mesh=ja.data_mesh())
@@ -86,8 +87,9 @@ def program_counts(params: Any, batch: Any, target: int, micro: int) -> dict[str
     state = TrainState(params, steps.init(params), (), jax.random.key(0))
     state = place(state, placement.state(state, steps))
     ex = Executables(
-        mlp_loss, optax.adam(1e-3), target, everywhere=placement.everywhere, data=placement.data
-    )
+        mlp_loss, optax.adam(1e-3), Sizing("micro-step of"), key=dict,
+        everywhere=placement.everywhere, data=placement.data,
+    )  # fmt: skip
     ex.bind(state, batch)
     return {
         "micro_step": collectives(ex.micro(micro).compiled),

@@ -23,41 +23,31 @@ whatever the size), and `AdaptiveStep` does the rest with the trainer's rules:
   A size that ran once is trusted (no copy); set ``host_backup="every_call"`` for a
   copy before every call.
 
-It plans for one shape of arguments at a time: a call with other shapes (or dtypes)
-plans anew.
+It keeps one plan per shape of arguments: a loop that alternates between shapes (an
+epoch's last partial batch, two batch sizes interleaved) compiles each shape's step
+once, as a plain ``jax.jit`` step would.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
 import jax
 import numpy as np
 
+from jax_adaptive import checks
 from jax_adaptive.data import leading_size
-from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, StateLostError, catch_oom
-from jax_adaptive.executables import compile_measured
-from jax_adaptive.memory import (
-    Ledger,
-    MemoryModel,
-    device_capacity,
-    others_bytes,
-    tree_bytes,
-    usable_capacity,
-)
-from jax_adaptive.plan import Plan, least_padding_size
-from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.sizing import SizeSearch
+from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
+from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
+from jax_adaptive.plan import Plan, SizeTrial, least_padding_size
+from jax_adaptive.plan_cache import PlanCache
+from jax_adaptive.sizing import FaultHook, Sized, Sizing
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
-
-log = logging.getLogger("jax_adaptive")
 
 StepBuilder = Callable[[int], Callable[..., Any]]
 """``build_step(micro_batch_size) -> step``: your step for that (static) size, jitted
@@ -115,12 +105,14 @@ class AdaptiveStep:
 
     Attributes:
         search_log: every `jax_adaptive.SizeTrial`, in order.
-        memory_model: the `jax_adaptive.memory.MemoryModel` of the sizes measured.
-        compiles: step compiles so far.
+        memory_model: the `jax_adaptive.memory.MemoryModel` of the sizes measured
+            for the arguments' shapes in use.
+        compiles: step compiles so far, for every shape.
         host_bytes: bytes copied to the host to make failures recoverable.
         fault_hook: an object with ``before_compile(size)`` and
             ``before_execution(size, args)`` (`jax_adaptive.testing.inject_oom`
             installs one), or None.
+        sizing: the `jax_adaptive.sizing.Sizing` engine that decides the sizes.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -158,64 +150,85 @@ class AdaptiveStep:
     ):
         if not callable(build_step):
             raise TypeError(f"build_step must be callable, got {build_step!r}.")
-        if memory_limit is not None and memory_limit <= 0:
-            raise ValueError(f"{memory_limit=} must be positive.")
-        if not 0.0 <= headroom < 1.0:
-            raise ValueError(f"{headroom=} must be in [0, 1).")
-        if objective not in ("least_padding", "max"):
-            raise ValueError(f"{objective=} must be 'least_padding' or 'max'.")
-        if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-            raise ValueError(f"{multiple_of=} must be a positive int.")
-        if host_backup not in ("first_run", "every_call"):
-            raise ValueError(f"{host_backup=} must be 'first_run' or 'every_call'.")
-        self.build_step, self.batch_argnum = build_step, batch_argnum
-        self.memory_limit, self.headroom, self.objective = memory_limit, headroom, objective
-        self.multiple_of, self.host_backup, self.oom_retries = multiple_of, host_backup, oom_retries
-        self.plan_cache = PlanCache.from_arg(plan_cache)
-        self.device = device or jax.local_devices()[0]
-        self.sizes = SizeSearch(
+        self.build_step = build_step
+        self.batch_argnum = checks.non_negative_int("batch_argnum", batch_argnum)
+        self.objective = checks.one_of("objective", objective, ("least_padding", "max"))
+        self.multiple_of = checks.positive_int("multiple_of", multiple_of)
+        self.host_backup = checks.one_of("host_backup", host_backup, ("first_run", "every_call"))
+        self.sizing = Sizing(
             "step at micro-batch",
-            ledger=self.ledger,
-            capacity=self.capacity,
-            known=lambda size: self.memory_model.points.get(size),
-            propose=self._propose,
-            lower=self._lower,
+            memory_limit=memory_limit,
             headroom=headroom,
+            device=device,
+            plan_cache=PlanCache.from_arg(plan_cache),
+            oom_retries=oom_retries,
         )
-        self.search_log = self.sizes.search_log
-        self.compiles = 0
         self.host_bytes = 0
-        self.fault_hook: Any = None
-        self._signature: tuple[Any, ...] | None = None
+        self._signature: Hashable = None
+        self._batch_size = 0
         self._replan = False
-        self._size: int | None = None
 
     # ------------------------------------------------------------ what is planned
 
     @property
     def micro_batch_size(self) -> int:
-        """The size in use."""
-        if self._size is None:
+        """The size in use (for the arguments' shapes of the last call)."""
+        if self._signature is None or self.sizing.bound.size is None:
             raise RuntimeError("call step(*args) or step.plan(*args) first.")
-        return self._size
+        return self.sizing.bound.size
 
     @property
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` in use (``accumulation_steps``: micro-batches per step)."""
-        size = self.micro_batch_size
+        size, b = self.micro_batch_size, self.sizing.bound
         return Plan(
             size,
-            math.ceil(self.batch_size / size),
-            self.ledger(size) if size in self._reports else None,
+            math.ceil(self._batch_size / size),
+            self.sizing.ledger(size) if self.sizing.peak(size) is not None else None,
             self.capacity(),
             1,
-            self.largest,
+            b.largest,
+            source=None if b.largest is None else "searched",
         )
 
     @property
     def compiled(self) -> Any:
         """The compiled step (a ``jax.stages.Compiled``) of the size in use."""
         return self.compile(self.micro_batch_size)
+
+    @property
+    def search_log(self) -> list[SizeTrial]:
+        """Every size decided, for every shape: see `jax_adaptive.SizeTrial`."""
+        return self.sizing.search_log
+
+    @property
+    def compiles(self) -> int:
+        """Step compiles so far, for every shape of arguments."""
+        return self.sizing.compiles
+
+    @property
+    def memory_model(self) -> MemoryModel:
+        """The `jax_adaptive.memory.MemoryModel` of the sizes measured for the shapes in use."""
+        return self.sizing.memory_model
+
+    @property
+    def largest(self) -> int | None:
+        """The largest size found to fit for the shapes in use (None: not searched)."""
+        return self.sizing.bound.largest
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The simulated device's bytes (`set_memory_limit` changes it)."""
+        return self.sizing.memory_limit
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        """Called before each compile and each run; see `jax_adaptive.testing`."""
+        return self.sizing.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.sizing.fault_hook = hook
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
@@ -224,7 +237,7 @@ class AdaptiveStep:
         ``bytes_limit`` less ``headroom`` less what other arrays held when the plan
         was made.
         """
-        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
+        return self.sizing.capacity()
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
         """Changes the cap: a lower one applies at the next call, a higher one re-plans there.
@@ -232,24 +245,14 @@ class AdaptiveStep:
         A higher cap (or none) lets a larger size fit: the next call searches again,
         without compiling again the sizes measured already.
         """
-        raised = memory_limit is None or (
-            self.memory_limit is not None and memory_limit > self.memory_limit
-        )
-        self.memory_limit = memory_limit
-        self._replan = self._replan or raised
+        self._replan = self.sizing.set_memory_limit(memory_limit) or self._replan
 
     # ------------------------------------------------------------ compiling, measuring
 
     def compile(self, size: int) -> Any:
         """The compiled step for ``size`` (compiled once; sizes not in use are released)."""
         self._require_bound()
-        if size not in self._compiled:
-            executable = compile_measured(lambda: self._lower(size), self.fault_hook, size)
-            self.compiles += 1
-            self._lowered.pop(size, None)
-            self._compiled[size] = executable.compiled
-            self._reports[size] = executable.report
-        return self._compiled[size]
+        return self.sizing.executable(size).compiled
 
     def ledger(self, size: int) -> Ledger:
         """Everything live on the device while the step of ``size`` runs.
@@ -259,29 +262,11 @@ class AdaptiveStep:
         step's temporaries and code (XLA's memory analysis, compiled once per size).
         """
         self._require_bound()
-        if size not in self._reports:
-            self.compile(size)
-        r = self._reports[size]
-        ledger = Ledger(
-            state=self._state_bytes,
-            in_flight=self._batch_bytes + r["output"] - r["alias"],
-            program=r["temp"] + r["code"],
-        )
-        self.memory_model.add(size, ledger.total)
-        return ledger
+        return self.sizing.ledger(size)
 
     def check(self, size: int) -> None:
         """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
-        self.sizes.check(size)
-
-    def _lower(self, size: int) -> Any:
-        """Builds and traces the step for ``size`` (the user's errors propagate from here)."""
-        if size not in self._lowered:
-            step = self.build_step(size)
-            if not hasattr(step, "lower"):
-                step = jax.jit(step)
-            self._lowered[size] = step.lower(*self._structs)
-        return self._lowered[size]
+        self.sizing.check(size)
 
     def _require_bound(self) -> None:
         if self._signature is None:
@@ -292,8 +277,8 @@ class AdaptiveStep:
     def plan(self, *args: Any) -> Plan:
         """Plans the size for arguments like ``args`` (their shapes; nothing runs).
 
-        Done by the first call; again for arguments of other shapes, and after
-        `set_memory_limit` raised the cap.
+        Done by the first call of each shape of arguments (a plan made for a shape is
+        kept), and again after `set_memory_limit` raised the cap.
 
         Returns:
             The `jax_adaptive.Plan`.
@@ -302,110 +287,63 @@ class AdaptiveStep:
         return self.plan_info
 
     def _plan(self, args: tuple[Any, ...]) -> None:
-        """Plans for ``args`` when their shapes or the cap changed; else nothing."""
-        if self._bind(args):
-            self._measure_others(args)
-            size = self._cached_plan()
-            if size is None:
-                size = self._largest(hi=self.batch_size, reason="init")
-            self._use(size)
-        elif self._replan:
-            self._replan = False
-            self._use(self._largest(hi=self.batch_size, reason="memory limit raised"))
-
-    def _bind(self, args: tuple[Any, ...]) -> bool:
+        """Plans for ``args`` when their shapes are new or the cap was raised; else nothing."""
         signature = _signature(args)
-        if signature == self._signature:
-            return False
-        if not 0 <= self.batch_argnum < len(args):
-            raise ValueError(
-                f"batch_argnum={self.batch_argnum} is not one of {len(args)} arguments."
-            )
-        self.batch_size = leading_size(args[self.batch_argnum])
-        self._structs = tuple(jax.tree.map(lambda x: _struct(x, self.device), args))
-        others = self._structs[: self.batch_argnum] + self._structs[self.batch_argnum + 1 :]
-        self._state_bytes = tree_bytes(others)
-        self._batch_bytes = tree_bytes(self._structs[self.batch_argnum])
-        self._signature = signature
-        self._lowered: dict[int, Any] = {}
-        self._compiled: dict[int, Any] = {}
-        self._reports: dict[int, dict[str, int]] = {}
-        self._ran: set[int] = set()
-        self._fingerprint: str | None = None
-        self.memory_model = MemoryModel()
-        self.largest: int | None = None
-        self.sizes.learned_cap = None
-        self._others = 0
-        self._oom_streak = 0
-        self._replan = False
-        return True
+        if signature != self._signature:
+            if not 0 <= self.batch_argnum < len(args):
+                raise ValueError(
+                    f"batch_argnum={self.batch_argnum} is not one of {len(args)} arguments."
+                )
+            self._batch_size = leading_size(args[self.batch_argnum])
+            self._signature = signature
+            if self.sizing.bind(signature, lambda: self._sized(args, signature)):
+                own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
+                self.sizing.measure_others(own)
+                size = self.sizing.cached(self._batch_size, "init")
+                self._use(size if size is not None else self._largest(self._batch_size, "init"))
+        if self._replan:
+            self._replan = False
+            self._use(self._largest(self._batch_size, "memory limit raised"))
 
-    def _measure_others(self, args: tuple[Any, ...]) -> None:
-        own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
-        self._others = others_bytes(self.device, own)
+    def _sized(self, args: tuple[Any, ...], signature: Hashable) -> Sized:
+        """What the engine needs of the step for arguments like ``args``."""
+        structs = tuple(jax.tree.map(lambda x: _struct(x, self.sizing.device), args))
+        i, T = self.batch_argnum, self._batch_size
 
-    def _largest(self, *, hi: int, reason: str) -> int:
-        """The largest size in ``[multiple_of, hi]`` whose ledger fits, guided by the model."""
-        lo = self.multiple_of
-        self.largest = self.sizes.largest(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
-        if self.objective == "least_padding":
-            return least_padding_size(self.batch_size, self.largest, lo)
-        return self.largest
+        def lower(size: int) -> Any:
+            step = self.build_step(size)  # the user's code traces here
+            return (step if hasattr(step, "lower") else jax.jit(step)).lower(*structs)
 
-    def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
-        """The memory model's guess, from the sizes below the whole batch.
-
-        At the whole batch a micro-batched step runs no loop (one micro-batch: no
-        accumulator, other fusions), so its peak lies off the line of the looped sizes,
-        above or below it (measured: 30% above for an MLP at T = 1024): the guesses
-        leave it out.
-        """
-
-        def propose(good: int | None, bad: int | None) -> int | None:
-            points = self.memory_model.points
-            looped = {s: b for s, b in points.items() if s < self.batch_size}
-            return MemoryModel(looped).propose(capacity)(good, bad)
-
-        return propose
-
-    def _use(self, size: int) -> None:
-        """Takes ``size``, stores it in the plan cache, releases other sizes' programs."""
-        self._size = size
-        self._compiled = {s: c for s, c in self._compiled.items() if s == size}
-        self._lowered = {s: low for s, low in self._lowered.items() if s == size}
-        if self.plan_cache is not None:
-            self.plan_cache.put(
-                self._key(),
-                {
-                    "micro_batch_size": size,
-                    "estimated_bytes": self.memory_model.points.get(size),
-                    "batch_size": self.batch_size,
-                    "capacity": self.capacity(),
-                },
-            )
-
-    def _key(self) -> str:
-        """The plan cache's key: the device, the limits, the shapes and the step's code."""
-        if self._fingerprint is None:
-            text = self._lower(self.multiple_of).as_text()
-            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()
-        return plan_key(
-            kind="adaptive_step",
-            platform=self.device.platform,
-            device_kind=self.device.device_kind,
-            device_capacity=device_capacity(self.device),
-            memory_limit=self.memory_limit,
-            headroom=self.headroom,
-            multiple_of=self.multiple_of,
-            objective=self.objective,
-            batch_argnum=self.batch_argnum,
-            args=str(self._signature),
-            step=self._fingerprint,
-            jax=jax.__version__,
+        batch_bytes = tree_bytes(structs[i])
+        return Sized(
+            lower=lower,
+            resident=tree_bytes(structs[:i] + structs[i + 1 :]),
+            inputs=lambda size: batch_bytes,  # the whole batch, whatever the size
+            key=lambda: {
+                "kind": "adaptive_step",
+                "multiple_of": self.multiple_of,
+                "objective": self.objective,
+                "batch_argnum": i,
+                "args": str(signature),
+            },
+            # At the whole batch a micro-batched step runs no loop (one micro-batch: no
+            # accumulator, other fusions), so its peak lies off the line of the looped
+            # sizes, above or below it (measured: 30% above for an MLP at T = 1024).
+            off_line=T,
+            fingerprint_at=lambda: self.multiple_of,
         )
 
-    def _cached_plan(self) -> int | None:
-        return self.sizes.from_cache(self.plan_cache, self._key, self.batch_size, "init")
+    def _largest(self, hi: int, reason: str) -> int:
+        """The size to run: the largest in ``[multiple_of, hi]`` that fits, trimmed."""
+        lo = self.multiple_of
+        largest = self.sizing.largest(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
+        if self.objective == "least_padding":
+            return least_padding_size(self._batch_size, largest, lo)
+        return largest
+
+    def _use(self, size: int) -> None:
+        self.sizing.use(size)
+        self.sizing.store(size, batch_size=self._batch_size)
 
     # ------------------------------------------------------------ the guarded call
 
@@ -422,22 +360,30 @@ class AdaptiveStep:
                 arguments (see ``host_backup``).
         """
         self._plan(args)
-        self._real_ooms = 0
+        self.sizing.start()
         while True:
             size = self.micro_batch_size
-            cautious = size not in self._ran or self.host_backup == "every_call"
+            cautious = not self.sizing.has_run(size) or self.host_backup == "every_call"
             saved: dict[int, tuple[np.ndarray, Any]] | None = {} if cautious else None
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
-                self._ran.add(size)
-                self._oom_streak = 0
+                self.sizing.ran(size)
                 return out
             args = self._restore(args, saved)
+            del out, saved  # what the failed attempt held goes before the retry
             try:
-                self._shrink(error, size)
+                self._use(self._shrink(error, size))
             except NothingFitsError as exc:
                 exc.arguments = args  # intact: the caller's own may have been donated
                 raise
+
+    def _shrink(self, error: BaseException, size: int) -> int:
+        """The size to run the same arguments at after ``size`` ran out of memory."""
+        lo = self.multiple_of
+        largest = self.sizing.shrink(error, size, reason="call", multiple_of=lo, least=lo)
+        if self.objective == "least_padding":
+            return least_padding_size(self._batch_size, largest, lo)
+        return largest
 
     def _run(self, size: int, args: tuple[Any, ...], saved: dict | None) -> Any:
         """One run of the step of ``size``, copying its donated arguments into ``saved``."""
@@ -475,31 +421,3 @@ class AdaptiveStep:
             host, sharding = backup[i]
             leaves[i] = jax.device_put(host, sharding)
         return jax.tree.unflatten(treedef, leaves)
-
-    def _shrink(self, exc: BaseException, size: int) -> None:
-        """Marks ``size`` as not fitting after ``exc`` and plans a smaller size.
-
-        A real out-of-memory says the ledger was optimistic: the capacity the search
-        aims under becomes the failed size's peak less ``headroom`` (half of it on a
-        further failure in the same call), as the trainer's planner does.
-        """
-        real = not isinstance(exc, SimulatedOutOfMemory)
-        peak = self.memory_model.points.get(size)
-        self.sizes.record(size, False, peak, 0.0, "run" if real else "estimate", "call")
-        log.warning(
-            "step at micro-batch %d ran out of memory (%s)", size, "real" if real else "simulated"
-        )
-        self._oom_streak += 1
-        if real and peak is not None:
-            self._real_ooms += 1
-            self.sizes.learn(peak, first=self._real_ooms == 1)
-        try:
-            if size <= self.multiple_of:
-                raise NothingFitsError(size, [], detail=f"it ran out of memory: {exc}")
-            self._use(self._largest(hi=size - 1, reason=f"out of memory at size {size}"))
-        except NothingFitsError:
-            # A real out-of-memory can pass (fragmentation, another job's peak): retry the
-            # smallest size a few times in a row before giving up.
-            if not real or self._oom_streak > self.oom_retries:
-                raise
-            self._use(self.multiple_of)

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_TARGET_BATCH_SIZE",
     "check_batch",
     "check_buckets",
+    "check_chunk",
     "check_device",
     "check_fraction",
     "check_grow",
@@ -31,6 +32,7 @@ __all__ = [
     "is_int",
     "non_negative_int",
     "on_device",
+    "one_of",
     "positive_int",
     "refuse_aux_named_loss",
 ]
@@ -79,6 +81,22 @@ def non_negative_int(name: str, value: Any) -> int:
     if value < 0:
         raise ValueError(f"{name}={value} must be at least 0.")
     return int(value)
+
+
+def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
+    """Returns ``value`` if it is one of the ``choices`` (strings).
+
+    Example:
+        >>> one_of("objective", "max", ("least_padding", "max"))
+        'max'
+        >>> one_of("objective", "fast", ("least_padding", "max"))
+        Traceback (most recent call last):
+        ValueError: objective='fast' must be one of 'least_padding', 'max'.
+    """
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name}={value!r} must be one of {listed}.")
+    return value
 
 
 def check_target_batch_size(value: Any) -> int:
@@ -148,6 +166,23 @@ def check_grow(grow: Any) -> str | int:
             f"{grow!r} ({type(grow).__name__})."
         )
     return positive_int("grow", grow)
+
+
+def check_chunk(chunk: Any) -> int | str:
+    """Micro-steps per dispatch: ``"auto"`` or a positive int (not a bool).
+
+    Example:
+        >>> check_chunk("auto"), check_chunk(4)
+        ('auto', 4)
+        >>> check_chunk(0)
+        Traceback (most recent call last):
+        ValueError: chunk=0 must be 'auto' or a positive int.
+    """
+    if isinstance(chunk, str) and chunk == "auto":
+        return chunk
+    if not is_int(chunk) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be 'auto' or a positive int.")
+    return int(chunk)
 
 
 def check_device(device: Any) -> jax.Device | None:

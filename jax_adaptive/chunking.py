@@ -20,9 +20,10 @@ import jax
 
 from jax_adaptive.distributed import process_min
 from jax_adaptive.errors import catch_oom
-from jax_adaptive.executables import Executable, Executables
+from jax_adaptive.executables import Executables
 from jax_adaptive.memory import Ledger
 from jax_adaptive.plan import chunk_length
+from jax_adaptive.sizing import Executable
 from jax_adaptive.step import TrainState
 
 __all__ = ["SLOWER_CHUNK", "Chunking"]
@@ -39,7 +40,7 @@ _UNDECIDED = _Undecided()
 SLOWER_CHUNK = 2.0
 """On a CPU, a chunk whose program takes over this many times its micro-steps run one by
 one is not taken (`Chunking.settle`): a chunk saves dispatches, and the slow loops it
-guards against cost 7-26 times."""
+guards against cost several times that (the warning gives the ratio measured)."""
 
 
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
@@ -58,8 +59,8 @@ class Chunking:
     """The chunk and the fused last program of one size, each decided once for it.
 
     Args:
-        executables: the compiled pieces.
-        ledger: ``(size, chunk) -> Ledger`` of that many micro-steps in one program.
+        executables: the compiled pieces (``ledger(size, chunk)`` measures a program of
+            that many micro-steps).
         capacity: ``() -> bytes`` a program's ledger may reach (None: no limit known).
         limit: ``"auto"`` (as many micro-steps per dispatch as the capacity allows, the
             whole update at most) or the most per dispatch (`AdaptiveTrainer`'s
@@ -81,22 +82,26 @@ class Chunking:
         self,
         executables: Executables,
         *,
-        ledger: Callable[[int, int], Ledger],
         capacity: Callable[[], int | None],
         limit: int | Literal["auto"],
         timed: bool,
     ):
         self.executables, self.limit, self.timed = executables, limit, timed
-        self._ledger, self._capacity = ledger, capacity
+        self._ledger, self._capacity = executables.ledger, capacity
         self.chunk_of: int | None = None  # decided at the size's first update
         # The last program with the optimizer step in it (None: apart), once decided.
         self._final: tuple[int, Executable] | _Undecided | None = _UNDECIDED
-        self._speed: dict[tuple, bool] = {}  # (size, chunk, fused, generation): not slower
+        self._speed: dict[tuple, bool] = {}  # (size, chunk, fused): not much slower
 
     @property
     def fused(self) -> bool | None:
         """Whether the update's last program runs the optimizer step too (None: undecided)."""
         return None if self._final is _UNDECIDED else self._final is not None
+
+    def reset(self) -> None:
+        """Forgets everything: the programs are another input shape's."""
+        self.forget()
+        self._speed.clear()
 
     def forget(self, chunk: bool = True) -> None:
         """Decides again at the next update: the size, the target or the limit changed.
@@ -141,7 +146,7 @@ class Chunking:
         chunk = chunk_length(steps, most)
         while chunk > 1:
             # The whole update in one program: the one with the optimizer step, if it fits.
-            whole = chunk == steps and self._may_fuse(size, steps, capacity)
+            whole = chunk == steps and self._may_fuse(size, steps, T, capacity)
             if whole or _fits(lambda c=chunk: self._ledger(size, c), capacity):
                 break
             chunk = chunk_length(steps, chunk - 1)
@@ -160,11 +165,11 @@ class Chunking:
         if self._final is _UNDECIDED:
             steps, chunk = math.ceil(T / size), self.chunk(size, T)
             last = chunk if steps % chunk == 0 else 1
-            fused = self._may_fuse(size, last, self._capacity())
-            self._final = (last, self.executables.final(size, last)) if fused else None
+            fused = self._may_fuse(size, last, T, self._capacity())
+            self._final = (last, self.executables.final(size, last, T)) if fused else None
         return self._final
 
-    def _may_fuse(self, size: int, chunk: int, capacity: int | None) -> bool:
+    def _may_fuse(self, size: int, chunk: int, T: int, capacity: int | None) -> bool:
         """Whether ``chunk`` micro-steps of ``size`` and the optimizer step fit one program.
 
         Only with one process: with several, micro-steps hold no collective so that one
@@ -179,32 +184,34 @@ class Chunking:
             room = capacity - self.executables.new_state_bytes()
             if not _fits(lambda: self._ledger(size, 1), room):
                 return False
-        return _fits(lambda: self.executables.final_ledger(size, chunk), capacity)
+        return _fits(lambda: self.executables.final_ledger(size, chunk, T), capacity)
 
     def settle(self, state: TrainState, size: int, T: int) -> None:
         """At an update's start: the chunk the capacity allows, if it is not much slower.
 
         XLA:CPU runs a convolution inside a loop (a chunk's scan) with slow kernels: the
-        Flax MNIST example's CNN runs a chunk 7-26 times slower than its micro-steps
-        dispatched one at a time (jax-ml/jax#12868). When ``timed``, the program the
-        update would run (the chunk, or the whole update with the optimizer step) is
-        timed once on ``state`` and a batch of zeros against ``chunk`` runs of the
-        micro-step (the user's loss runs then, on zeros); more than `SLOWER_CHUNK`
-        times slower, the update runs one micro-step per dispatch. Elsewhere a chunk is
-        taken for the dispatches it saves, untimed.
+        Flax MNIST example's CNN runs a chunk several times slower than its micro-steps
+        dispatched one at a time (jax-ml/jax#12868; the warning gives the ratio). When
+        ``timed``, the program the update would run (the chunk, or the whole update with
+        the optimizer step) is timed once on ``state`` and a batch of zeros against
+        ``chunk`` runs of the micro-step (the user's loss runs then, on zeros); more
+        than `SLOWER_CHUNK` times slower, the update runs one micro-step per dispatch.
+        Elsewhere a chunk is taken for the dispatches it saves, untimed.
         """
         if not self.timed or (chunk := self.chunk(size, T)) == 1:
             return
         final = self.final(size, T)
         fused = final is not None and final[0] == chunk
-        key = (size, chunk, fused, self.executables.generation)
+        key = (size, chunk, fused)
         if key not in self._speed:
             program = final[1] if fused else self.executables.micro(size, chunk)
-            self._speed[key] = self._not_slower(state, size, chunk, program)
+            self._speed[key] = self._not_slower(state, size, T, chunk, program)
         if not self._speed[key]:
             self.chunk_of, self._final = 1, _UNDECIDED  # the last program decided anew
 
-    def _not_slower(self, state: TrainState, size: int, chunk: int, program: Executable) -> bool:
+    def _not_slower(
+        self, state: TrainState, size: int, T: int, chunk: int, program: Executable
+    ) -> bool:
         """Whether ``program`` (``chunk`` micro-steps) is not much slower than one by one.
 
         At most `SLOWER_CHUNK` times the micro-steps one by one. The two are timed in
@@ -217,8 +224,8 @@ class Chunking:
         def ratio() -> float:
             ones, manys = [], []
             for _ in range(3):
-                ones.append(ex.time_program(ex.micro(size), state, size, reps=1))
-                manys.append(ex.time_program(program, state, size, chunk, reps=1))
+                ones.append(ex.time_program(ex.micro(size), state, size, T, reps=1))
+                manys.append(ex.time_program(program, state, size, T, chunk, reps=1))
             return min(manys) / (chunk * min(ones))
 
         for _ in range(2):

@@ -23,6 +23,7 @@ from jax_adaptive.streams import Feed, Left
 __all__ = [
     "MicroBatch",
     "Rebatcher",
+    "example_structs",
     "leading_size",
     "micro_batches",
     "synthetic_images",
@@ -61,6 +62,21 @@ def leading_size(batch: Any, name: str = "batch") -> int:
             raise ValueError(f"{name}{path} is a scalar; every leaf needs a leading batch axis.")
     sizes = {path: shape[0] for path, shape in zip(paths, shapes, strict=True)}
     raise ValueError(f"the leaves of {name} disagree in leading size: {sizes}.")
+
+
+def example_structs(example_batch: Any) -> Any:
+    """The shape and dtype of one example of each leaf of a batch.
+
+    Example:
+        >>> example_structs({"x": np.zeros((8, 3), np.float32)})["x"]
+        ShapeDtypeStruct(shape=(3,), dtype=float32)
+    """
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        dtype = x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype
+        return jax.ShapeDtypeStruct(np.shape(x)[1:], dtype)
+
+    return jax.tree.map(one, example_batch)
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -19,15 +19,17 @@ Every batch has exactly the planned size: a stream of batches of any size is cut
 joined in order, the last batch is padded with repeated real rows and the padding is
 masked out of every sum. Metrics are per-example values summed on the device, batch by
 batch, and divided by the number of real examples on the host (in float64), so the means
-are those of one full pass. An out-of-memory while a batch runs (only an out-of-memory:
-any other error propagates) shrinks the evaluation size and runs the same examples
-again; a batch's results count only once it has run, so nothing is lost or counted twice.
+are those of one full pass; integer metrics (counts) are summed exactly, in 64 bits, on
+the host. An out-of-memory while a batch runs (only an out-of-memory: any other error
+propagates) shrinks the evaluation size and runs the same examples again; a batch's
+results count only once it has run, so nothing is lost or counted twice.
+
+The sizing itself (capacity, ledgers, search, plan cache, shrink) is the engine's,
+`jax_adaptive.sizing.Sizing`, with one binding per mode and input shapes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
@@ -36,25 +38,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_adaptive.checks import positive_int
-from jax_adaptive.data import MicroBatch, leading_size, micro_batches
-from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.executables import Executable, FaultHook, compile_measured, example_structs
-from jax_adaptive.memory import (
-    Ledger,
-    MemoryModel,
-    device_capacity,
-    others_bytes,
-    tree_bytes,
-    usable_capacity,
-)
-from jax_adaptive.plan import least_padding_size
-from jax_adaptive.plan_cache import PlanCache, plan_key
-from jax_adaptive.sizing import SizeSearch
+from jax_adaptive import checks
+from jax_adaptive.data import MicroBatch, example_structs, leading_size, micro_batches
+from jax_adaptive.errors import catch_oom
+from jax_adaptive.memory import Ledger, tree_bytes
+from jax_adaptive.plan import SizeTrial, least_padding_size
+from jax_adaptive.plan_cache import PlanCache
+from jax_adaptive.sizing import FaultHook, Sized, Sizing
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]
 
-log = logging.getLogger("jax_adaptive")
 
 MetricFn = Callable[[Any, Any], Any]
 """``(params, batch) -> outputs`` with a leading axis of the batch's size: for
@@ -140,28 +133,26 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
 
 
-def _masked_sum(value: jax.Array, mask: jax.Array) -> jax.Array:
-    """The sum over the real rows (``where``, not a product: a padding row's NaN stays out)."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
-    else:
-        value = value.astype(jnp.int32)  # exact counts, e.g. of correct predictions
+def _masked(value: jax.Array, mask: jax.Array) -> jax.Array:
+    """The batch's sum over its real rows of a float metric; an integer metric's real rows.
+
+    ``where``, not a product: a padding row's NaN stays out. Floats are summed on the
+    device in at least float32; integers come back per example (padding zeroed), to be
+    summed exactly in 64 bits on the host: int32 sums overflow at 2**31.
+    """
     kept = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, 0)
-    return jnp.sum(kept, axis=0)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return kept
+    return jnp.sum(kept.astype(jnp.promote_types(value.dtype, jnp.float32)), axis=0)
 
 
-class _Binding:
-    """What one program (a mode, parameter and example shapes) has compiled and measured."""
-
-    def __init__(self, key: Any, params: Any, example: Any, resident_bytes: int):
-        self.key, self.params, self.example = key, params, example
-        self.resident_bytes = resident_bytes
-        self.programs: dict[int, Executable] = {}
-        self.ledgers: dict[int, Ledger] = {}
-        # the largest size that fits, per upper bound and memory_limit (a raise may grow it)
-        self.plans: dict[tuple[int, int | None], int] = {}
-        self.memory_model = MemoryModel()
-        self.fingerprint: str | None = None
+def _host_sum(value: Any) -> np.ndarray:
+    """A batch's metric on the host: a float sum, or the 64-bit sum of an integer's rows."""
+    value = np.asarray(value)
+    if np.issubdtype(value.dtype, np.floating):
+        return value.astype(np.float64)
+    wide = np.uint64 if np.issubdtype(value.dtype, np.unsignedinteger) else np.int64
+    return value.astype(wide).sum(axis=0)
 
 
 class Evaluator:
@@ -189,13 +180,9 @@ class Evaluator:
         progress: show a progress bar of the examples evaluated (off by default).
 
     Attributes:
-        search_log: every size decided, as `jax_adaptive.SizeTrial` (the reason
-            ``"evaluate"``, ``"predict"`` or the out-of-memory that shrank it).
-        compiles: evaluation programs compiled so far (one per size measured).
         batch_size: the batch size of the last run (None before one).
         largest: the largest size found to fit in the last run (None before one).
-        fault_hook: called before each compile and each batch that runs, like the
-            trainer's (`jax_adaptive.testing.inject_oom` installs one), or None.
+        sizing: the `jax_adaptive.sizing.Sizing` engine that decides the sizes.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
@@ -222,36 +209,64 @@ class Evaluator:
     ):
         if not callable(metric_fn):
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-        for name, value in (("memory_limit", memory_limit), ("max_batch_size", max_batch_size)):
-            if value is not None:
-                positive_int(name, value)
-        if not 0.0 <= headroom < 1.0:
-            raise ValueError(f"{headroom=} must be in [0, 1).")
+        if max_batch_size is not None:
+            checks.positive_int("max_batch_size", max_batch_size)
         self.metric_fn = metric_fn
-        self.memory_limit, self.headroom = memory_limit, headroom
-        self.multiple_of = positive_int("multiple_of", multiple_of)
-        self.max_batch_size, self.oom_retries = max_batch_size, oom_retries
-        self.plan_cache = PlanCache.from_arg(plan_cache)
-        self.device = device or jax.local_devices()[0]
+        self.multiple_of = checks.positive_int("multiple_of", multiple_of)
+        self.max_batch_size = max_batch_size
         self.progress = progress
-        self.sizes = SizeSearch(
+        self.sizing = Sizing(
             "evaluation batch of",
-            ledger=self.ledger,
-            capacity=self.capacity,
-            known=lambda size: self._bound.memory_model.points.get(size),
-            propose=lambda capacity: self._bound.memory_model.propose(capacity),
+            memory_limit=memory_limit,
             headroom=headroom,
+            device=device,
+            plan_cache=PlanCache.from_arg(plan_cache),
+            oom_retries=oom_retries,
         )
-        self.search_log = self.sizes.search_log
-        self.compiles = 0
         self.batch_size: int | None = None
         self.largest: int | None = None
-        self.fault_hook: FaultHook | None = None
-        self._bindings: dict[_Mode, _Binding] = {}
-        self._bound: _Binding | None = None
         self._mode: _Mode = "evaluate"
-        self._hi = 0  # the upper bound of the current run's sizes
-        self._others = 0  # bytes other live arrays held on the device at the last plan
+
+    @property
+    def search_log(self) -> list[SizeTrial]:
+        """Every size decided: `jax_adaptive.SizeTrial`s, for evaluation and prediction."""
+        return self.sizing.search_log
+
+    @property
+    def compiles(self) -> int:
+        """Evaluation programs compiled so far (one per size measured)."""
+        return self.sizing.compiles
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The simulated device's bytes; set it to change the cap for the next run."""
+        return self.sizing.memory_limit
+
+    @memory_limit.setter
+    def memory_limit(self, memory_limit: int | None) -> None:
+        self.sizing.set_memory_limit(memory_limit)
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        """Called before each compile and each batch that runs (see `jax_adaptive.testing`)."""
+        return self.sizing.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.sizing.fault_hook = hook
+
+    def capacity(self) -> int | None:
+        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
+
+        The smaller of ``memory_limit`` and, where the device says (a GPU), its capacity
+        less ``headroom`` less what other live arrays held when the plan was made.
+
+        Example:
+            >>> import jax_adaptive as ja
+            >>> ja.Evaluator(lambda p, b: b, memory_limit=10**6).capacity()
+            1000000
+        """
+        return self.sizing.capacity()
 
     # ------------------------------------------------------------ running
 
@@ -316,31 +331,31 @@ class Evaluator:
         hi = reach if not examples.exhausted else examples.buffered
         if self.max_batch_size is not None:
             hi = min(hi, self.max_batch_size)
+        device = self.sizing.device
         params = jax.tree.map(
-            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, self.device), params
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, device), params
         )
-        self._bind(mode, params, examples.first, resident)
-        self._hi = hi
-        self.largest = self._plan(hi)
-        size = self._take_size(self._trimmed(self.largest, examples))
+        self._bind(mode, params, examples.first, resident, hi)
+        size = self._take(self._plan(hi), examples)
         sums: dict[str, np.ndarray] = {}
         pieces: list[Any] = []
-        count = streak = 0
+        count = 0
         total = examples.buffered if examples.exhausted else None
         with tqdm(total=total, disable=not self.progress, unit="example", leave=False) as bar:
             while (piece := examples.take(size)) is not None:
+                self.sizing.start()
                 out, error = catch_oom(lambda p=piece, s=size: self._execute(s, params, p))
                 if error is not None:
-                    streak += 1
-                    size = self._take_size(self._shrink(error, size, streak, examples))
+                    largest = self.sizing.shrink(error, size, reason=mode)
+                    size = self._take(self._planned(hi, largest), examples)
                     continue
-                streak = 0
+                self.sizing.ran(size)
                 real = int(piece.mask.sum())
                 examples.advance(real)
                 count += real
                 if mode == "evaluate":
                     for name, value in out.items():
-                        sums[name] = sums.get(name, 0.0) + np.asarray(value, np.float64)
+                        sums[name] = sums.get(name, 0) + _host_sum(value)
                 else:  # the mask marks a prefix: the padding is the tail
                     pieces.append(jax.tree.map(lambda x, n=real: np.asarray(x)[:n], out))
                 bar.set_postfix(batch=size)
@@ -349,8 +364,8 @@ class Evaluator:
 
     def _execute(self, size: int, params: Any, piece: MicroBatch) -> Any:
         """Runs one batch and brings its outputs to the host; an out-of-memory raises here."""
-        self.sizes.check(size)
-        compiled = self._program(size).compiled
+        compiled = self.sizing.executable(size).compiled
+        self.sizing.check(size)
         if self.fault_hook is not None:
             self.fault_hook.before_execution(size, ())
         out = compiled(params, piece.batch, piece.mask)
@@ -360,26 +375,57 @@ class Evaluator:
 
     # ------------------------------------------------------------ the program
 
-    def _bind(self, mode: _Mode, params: Any, batch: Any, resident: Any) -> None:
-        """Takes the binding of this mode and these shapes (a new one if they changed)."""
+    def _bind(self, mode: _Mode, params: Any, batch: Any, resident: Any, hi: int) -> None:
+        """Binds the engine to this mode's program for these shapes (kept per shapes)."""
         structs = jax.tree.map(_struct, params), example_structs(batch)
         leaves = {id(x): x for x in jax.tree.leaves((params, resident))}  # each array once
         resident_bytes = tree_bytes(list(leaves.values()))
-        key = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)), resident_bytes)
-        bound = self._bindings.get(mode)
-        if bound is None or bound.key != key:
-            bound = self._bindings[mode] = _Binding(key, *structs, resident_bytes)
-        self._bound, self._mode = bound, mode
+        signature = (mode, jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
+        signature += (resident_bytes,)
+        self._mode = mode
+        self.sizing.bind(signature, lambda: self._sized(mode, *structs, resident_bytes))
+        self._hi, self._resident_bytes = hi, resident_bytes
 
-    def _function(self, params: Any, batch: Any, mask: jax.Array) -> Any:
+    def _sized(self, mode: _Mode, params: Any, example: Any, resident_bytes: int) -> Sized:
+        """What the engine needs of the ``mode`` program for these shapes."""
+        sharding = jax.sharding.SingleDeviceSharding(self.sizing.device)
+
+        def structs(size: int) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+            batch = jax.tree.map(
+                # A float64 host array runs as float32 unless x64 is on: count what the
+                # device holds.
+                lambda x: jax.ShapeDtypeStruct(
+                    (size, *x.shape), jax.dtypes.canonicalize_dtype(x.dtype), sharding=sharding
+                ),
+                example,
+            )
+            return params, batch, jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=sharding)
+
+        def function(params: Any, batch: Any, mask: jax.Array) -> Any:
+            return self._function(mode, params, batch, mask)
+
+        return Sized(
+            lower=lambda size: jax.jit(function).lower(*structs(size)),
+            resident=resident_bytes,
+            inputs=lambda size: tree_bytes(structs(size)[1:]),
+            key=lambda: {
+                "kind": mode,
+                "multiple_of": self.multiple_of,
+                "max_batch_size": self._hi,
+                "resident_bytes": resident_bytes,
+                "example": str(example),
+            },
+        )
+
+    def _function(self, mode: _Mode, params: Any, batch: Any, mask: jax.Array) -> Any:
         size = mask.shape[0]
-        with jax.named_scope(f"{self._mode}_batch_{size}"):
+        with jax.named_scope(f"{mode}_batch_{size}"):
             out = self.metric_fn(params, batch)
-        if self._mode == "evaluate" and not isinstance(out, Mapping):
+        if mode == "evaluate" and not isinstance(out, Mapping):
             raise TypeError(
                 f"metric_fn must return a dict of per-example metrics, got {type(out).__name__}."
             )
-        if self._mode == "evaluate" and "examples" in out:
+        if mode == "evaluate" and "examples" in out:
             raise ValueError("metric_fn returned a metric named 'examples', a name reserved.")
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             if np.shape(leaf)[:1] != (size,):
@@ -387,33 +433,9 @@ class Evaluator:
                     f"metric_fn's output{jax.tree_util.keystr(path)} must be per-example, with "
                     f"a leading axis of {size} for a batch of {size}; got shape {np.shape(leaf)}."
                 )
-        if self._mode == "predict":
+        if mode == "predict":
             return out
-        return {name: _masked_sum(value, mask) for name, value in out.items()}
-
-    def _structs(self, size: int) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        batch = jax.tree.map(
-            # A float64 host array runs as float32 unless x64 is on: count what the device holds.
-            lambda x: jax.ShapeDtypeStruct(
-                (size, *x.shape), jax.dtypes.canonicalize_dtype(x.dtype), sharding=sharding
-            ),
-            self._bound.example,
-        )
-        return (
-            self._bound.params,
-            batch,
-            jax.ShapeDtypeStruct((size,), jnp.bool_, sharding=sharding),
-        )
-
-    def _program(self, size: int) -> Executable:
-        """The compiled program for batches of ``size``, compiled once while in use."""
-        bound = self._bound
-        if size not in bound.programs:
-            lowered = jax.jit(self._function).lower(*self._structs(size))
-            bound.programs[size] = compile_measured(lambda: lowered, self.fault_hook, size)
-            self.compiles += 1
-        return bound.programs[size]
+        return {name: _masked(value, mask) for name, value in out.items()}
 
     def ledger(self, size: int) -> Ledger:
         """Everything live on the device while a batch of ``size`` runs, by part.
@@ -430,126 +452,37 @@ class Evaluator:
             >>> ledger.state, ledger.in_flight >= 8 * 256 * 4  # the params; the batch
             (1024, True)
         """
-        if self._bound is None:
+        if self.batch_size is None:
             raise RuntimeError("run evaluate or predict on a dataset first.")
-        bound = self._bound
-        if size not in bound.ledgers:  # each batch checks its size: measure it once
-            report = self._program(size).report
-            _, batch, mask = self._structs(size)
-            bound.ledgers[size] = Ledger(
-                state=bound.resident_bytes,
-                in_flight=tree_bytes((batch, mask)) + report["output"] - report["alias"],
-                program=report["temp"] + report["code"],
-            )
-            bound.memory_model.add(size, bound.ledgers[size].total)
-        return bound.ledgers[size]
+        return self.sizing.ledger(size)
 
     # ------------------------------------------------------------ the plan
 
-    def capacity(self) -> int | None:
-        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
-
-        The smaller of ``memory_limit`` and, where the device says (a GPU), its capacity
-        less ``headroom`` less what other live arrays held when the plan was made.
-
-        Example:
-            >>> import jax_adaptive as ja
-            >>> ja.Evaluator(lambda p, b: b, memory_limit=10**6).capacity()
-            1000000
-        """
-        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
-
     def _plan(self, hi: int) -> int:
         """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
-        bound = self._bound
-        if (hi, self.memory_limit) in bound.plans:
-            return bound.plans[hi, self.memory_limit]
-        self._others = others_bytes(self.device, bound.resident_bytes)
-        largest = self._cached_plan(hi)
+        plans, limit = self.sizing.bound.plans, self.memory_limit
+        if (hi, limit) in plans:
+            return plans[hi, limit]
+        self.sizing.measure_others(self._resident_bytes)
+        largest = self.sizing.cached(hi, self._mode)
         if largest is None:
-            largest = self._search(hi, reason=self._mode)
-        self._use(hi, largest)
+            largest = self.sizing.largest(hi=hi, reason=self._mode, multiple_of=self.multiple_of)
+        return self._planned(hi, largest)
+
+    def _planned(self, hi: int, largest: int) -> int:
+        """Keeps ``largest`` as the plan under ``hi`` and the limit, here and in the plan cache."""
+        self.sizing.bound.plans[hi, self.memory_limit] = self.largest = largest
+        self.sizing.store(largest)
         return largest
 
-    def _take_size(self, size: int) -> int:
-        """Runs batches of ``size`` from now on; frees other sizes' programs (not their ledgers)."""
-        programs = self._bound.programs
-        for other in [s for s in programs if s != size]:
-            del programs[other]
+    def _take(self, largest: int, examples: _Examples) -> int:
+        """The size to run (the fewest batches, the least padding, once the rest is known)."""
+        size = largest
+        if examples.exhausted:
+            size = least_padding_size(examples.buffered, largest, self.multiple_of)
+        self.sizing.use(size)
         self.batch_size = size
         return size
-
-    def _use(self, hi: int, largest: int) -> None:
-        """Keeps ``largest`` as the plan under ``hi``, here and in the plan cache."""
-        bound = self._bound
-        bound.plans[hi, self.memory_limit] = largest
-        if self.plan_cache is not None:
-            self.plan_cache.put(
-                self._key(hi),
-                {
-                    "micro_batch_size": largest,
-                    "estimated_bytes": bound.memory_model.points.get(largest),
-                    "capacity": self.capacity(),
-                },
-            )
-
-    def _trimmed(self, largest: int, examples: _Examples) -> int:
-        """The size with the fewest batches and the least padding, when the rest is known."""
-        if not examples.exhausted:
-            return largest
-        return least_padding_size(examples.buffered, largest, self.multiple_of)
-
-    def _key(self, hi: int) -> str:
-        bound = self._bound
-        if bound.fingerprint is None:
-            text = jax.jit(self._function).lower(*self._structs(1)).as_text()
-            bound.fingerprint = hashlib.sha256(text.encode()).hexdigest()
-        return plan_key(
-            kind=self._mode,
-            platform=self.device.platform,
-            device_kind=self.device.device_kind,
-            device_capacity=device_capacity(self.device),
-            memory_limit=self.memory_limit,
-            headroom=self.headroom,
-            multiple_of=self.multiple_of,
-            max_batch_size=hi,
-            resident_bytes=bound.resident_bytes,
-            example=str(bound.example),
-            program=bound.fingerprint,
-            jax=jax.__version__,
-        )
-
-    def _cached_plan(self, hi: int) -> int | None:
-        return self.sizes.from_cache(self.plan_cache, lambda: self._key(hi), hi, self._mode)
-
-    def _search(self, hi: int, reason: str) -> int:
-        """The largest size in ``[1, hi]`` whose ledger fits, multiples of ``multiple_of`` first."""
-        return self.sizes.largest(hi=hi, reason=reason, multiple_of=self.multiple_of)
-
-    def _shrink(self, exc: BaseException, size: int, streak: int, examples: _Examples) -> int:
-        """The size to run the same examples at after ``size`` ran out of memory.
-
-        A real out-of-memory teaches a capacity below the failed size's peak (less
-        ``headroom`` the first time, half of it after another failure in a row), as the
-        trainer's planner does; a simulated one is the ledger's own verdict.
-        """
-        real = not isinstance(exc, SimulatedOutOfMemory)
-        peak = self._bound.memory_model.points.get(size)
-        self.sizes.record(size, False, peak, 0.0, "run" if real else "estimate", self._mode)
-        log.warning("%s batch %d ran out of memory (%s)", self._mode, size, exc)
-        if real and peak is not None:
-            self.sizes.learn(peak, first=streak == 1)
-        try:
-            if size == 1:
-                raise NothingFitsError(1, [], detail=f"a {self._mode} batch of 1 ran out of memory")
-            largest = self._search(size - 1, reason=f"out of memory at size {size}")
-        except NothingFitsError:
-            if not real or streak > self.oom_retries:
-                raise
-            largest = 1  # a real out-of-memory can pass (another job's peak): retry
-        self.largest = largest
-        self._use(self._hi, largest)
-        return self._trimmed(largest, examples)
 
 
 def _host_value(value: np.ndarray) -> Any:

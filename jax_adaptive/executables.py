@@ -1,15 +1,15 @@
 """Compiling and measuring the jitted pieces of an update, per micro-batch size.
 
 The one place that knows the micro-step's calling convention (`MicroArgs`, donation by
-name) and the optimizer step's. `Executables` compiles each ahead of time from
-``jax.ShapeDtypeStruct``s for the train state and one example it is bound to, reads
-XLA's memory analysis of each, and adds what the analysis leaves out into a `Ledger`:
-the whole resident state (JAX prunes the arguments a program does not read, such as
-Adam's moments in a micro-step, yet they stay on the device) and the inputs and outputs
-of every micro-step in flight.
-
-Compiled programs are released when the planner no longer uses their size; their memory
-reports are kept, so a size decided once is never compiled again to be decided again.
+name) and the optimizer step's. `Executables` lowers each ahead of time from
+``jax.ShapeDtypeStruct``s for the train state and one example it is bound to. The
+micro-step itself is the sizing engine's program (`jax_adaptive.sizing.Sizing`: one
+compile per size, its `Ledger` from XLA's memory analysis, kept per input signature);
+the chunks of several micro-steps, the update's last program and the optimizer step are
+compiled here, each measured the same way (`jax_adaptive.memory.program_ledger`): the
+whole resident state (JAX prunes the arguments a program does not read, such as Adam's
+moments in a micro-step, yet they stay on the device) and the inputs and outputs of
+every program in flight.
 
 Under a mesh, a loss without model state and parameters not split over the data axis
 (`Executables.per_device`), each device accumulates its own gradient (`per_device`):
@@ -24,12 +24,11 @@ statistics would change what ``model_state`` is.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Container
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Container, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +36,14 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_adaptive.memory import Ledger, memory_report, tree_bytes
+from jax_adaptive.data import example_structs
+from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
+from jax_adaptive.sizing import Executable, Sized, Sizing, compile_measured
 from jax_adaptive.step import (
     PerExampleLoss,
     TrainState,
-    _call_loss,
-    _check_per_example,
+    call_loss,
+    check_per_example,
     make_micro_step,
     make_optimizer_step,
     per_device,
@@ -50,7 +51,7 @@ from jax_adaptive.step import (
     with_optimizer_step,
 )
 
-__all__ = ["DONATED", "Executable", "Executables", "FaultHook", "MicroArgs", "compile_measured"]
+__all__ = ["DONATED", "Executables", "MicroArgs"]
 
 
 class MicroArgs(NamedTuple):
@@ -71,51 +72,6 @@ class MicroArgs(NamedTuple):
 
 DONATED = ("acc_grads",)
 """The micro-step's donated arguments: a failed run may delete these, never the state."""
-
-
-class FaultHook(Protocol):
-    """What `jax_adaptive.testing.FaultInjector` implements: called before compiles and runs."""
-
-    def before_compile(self, size: int) -> None:
-        """Called before the micro-step for ``size`` compiles."""
-
-    def before_execution(self, size: int, args: MicroArgs) -> None:
-        """Called before a micro-step of ``size`` runs on ``args``."""
-
-
-class Executable(NamedTuple):
-    """A compiled program with XLA's memory analysis of it and what compiling cost."""
-
-    compiled: Any
-    report: dict[str, int]
-    seconds: float
-
-    @property
-    def estimate(self) -> int:
-        """`jax_adaptive.estimate_peak_bytes` of the program alone."""
-        r = self.report
-        return r["argument"] + r["output"] - r["alias"] + r["temp"] + r["code"]
-
-
-def compile_measured(
-    lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
-) -> Executable:
-    """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
-
-    ``fault_hook.before_compile(size)`` runs first when a hook is given (the compile of
-    that size may be made to fail). The time counts the lowering ``lower`` does.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> program = compile_measured(lambda: jax.jit(jnp.sin).lower(jnp.ones(4)))
-        >>> program.report["output"] >= 16 and program.seconds > 0
-        True
-    """
-    start = time.perf_counter()
-    if fault_hook is not None:
-        fault_hook.before_compile(size)
-    compiled = lower().compile()
-    return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -146,48 +102,39 @@ def _zeros_program(structs: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
     return jax.jit(make, out_shardings=[s.sharding for s in structs])
 
 
-def example_structs(example_batch: Any) -> Any:
-    """The shape and dtype of one example of each leaf of a batch."""
-
-    def one(x: Any) -> jax.ShapeDtypeStruct:
-        dtype = x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype
-        return jax.ShapeDtypeStruct(np.shape(x)[1:], dtype)
-
-    return jax.tree.map(one, example_batch)
-
-
 class Executables:
     """Compiles the micro-step per size and the optimizer step, for one bound input shape.
 
     Args:
         loss_fn: the per-example loss (see `jax_adaptive.AdaptiveTrainer`).
         optimizer: the inner optax optimizer.
-        target_batch_size: examples per update now: the bound of the sizes and chunks it
-            compiles (`jax_adaptive.planner.Planner.set_target` changes it as a
-            batch-size schedule grows). The programs themselves take ``T`` at run time
-            (`MicroArgs.target`): one compile per size serves every target.
+        sizing: the engine that compiles and measures the micro-step per size (one
+            binding per input signature: `bind` binds it).
         has_aux: ``loss_fn`` returns ``(losses, aux)``.
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
         data: the micro-batch's sharding over the data axis, or None on one device.
         in_flight: how many programs the update dispatches ahead at most.
+        key: ``() -> {name: value}``: the plan's parts besides the programs (the target
+            batch size, the objective...), for the plan cache's key.
+        fingerprint_at: ``() -> size`` at which the micro-step's code is fingerprinted
+            for that key (one every model accepts).
+        memory_prior: a predicted ``(intercept, slope)`` of the micro-step's peak.
 
     A *chunk* of ``c`` micro-steps of one size runs as one program (`scan_micro_steps`):
     ``micro(size, chunk=c)`` takes ``c * size`` examples (``[c, size, ...]`` when
     `per_device`). Chunk 1 is the plain micro-step the search compiles. ``final(size,
-    chunk=c)`` is the same program followed by the optimizer step
+    chunk=c, T)`` is the same program followed by the optimizer step
     (`jax_adaptive.step.with_optimizer_step`): an update's last dispatch, when it fits.
+    The programs take the update's target batch size ``T`` at run time
+    (`MicroArgs.target`): one compile per size serves every target.
 
     Attributes:
-        compiles: micro-step compiles so far (chunks of one; what a search costs).
         chunk_compiles: compiles of chunks of several micro-steps.
         final_compiles: compiles of last programs (micro-steps and the optimizer step).
         trace_counts: traces of the micro-step per size (one each, never a retrace).
         chunk_trace_counts: traces of the micro-step inside chunks and last programs,
             per size.
-        fault_hook: a `FaultHook` (tests inject out-of-memory errors through it), or None.
-        generation: how many shapes it was bound to; what was learned of a size under
-            another generation (its peak, that it ran) says nothing of it now.
         per_device: each device accumulates its own gradient, reduced once per update
             (decided at `bind`: a mesh, no model state, parameters not split over the
             data axis).
@@ -200,7 +147,8 @@ class Executables:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
         >>> from jax_adaptive.distributed import Placement
         >>> loss = lambda p, b, r: (b @ p) ** 2
-        >>> ex = Executables(loss, optax.adam(0.1), 8, everywhere=Placement().everywhere)
+        >>> ex = Executables(loss, optax.adam(0.1), Sizing("micro-step of"),
+        ...                  everywhere=Placement().everywhere, key=dict)
         >>> state = TrainState(jnp.ones(256), optax.MultiSteps(optax.adam(0.1), 1).init(
         ...     jnp.ones(256)), (), jax.random.key(0))
         >>> _ = ex.bind(jax.device_put(state), np.ones((8, 256), np.float32))
@@ -213,22 +161,23 @@ class Executables:
         self,
         loss_fn: PerExampleLoss,
         optimizer: optax.GradientTransformation,
-        target_batch_size: int,
+        sizing: Sizing,
         *,
         has_aux: bool = False,
         has_state: bool = False,
         everywhere: jax.sharding.Sharding,
         data: jax.sharding.Sharding | None = None,
         in_flight: int = 1,
+        key: Callable[[], Mapping[str, Any]],
+        fingerprint_at: Callable[[], int] = lambda: 1,
+        memory_prior: tuple[float, float] | None = None,
     ):
-        self.loss_fn, self.optimizer = loss_fn, optimizer
-        self.target_batch_size = target_batch_size
+        self.loss_fn, self.optimizer, self.sizing = loss_fn, optimizer, sizing
         self.has_aux, self.has_state = has_aux, has_state
         self.everywhere, self.data, self.in_flight = everywhere, data, in_flight
-        self.compiles = self.chunk_compiles = self.final_compiles = 0
+        self._key, self._fingerprint_at, self._prior = key, fingerprint_at, memory_prior
+        self.chunk_compiles = self.final_compiles = 0
         self.trace_counts: Counter[int] = Counter()
-        self.fault_hook: FaultHook | None = None
-        self.generation = 0  # bumped by each bind to a new shape: measures of old ones are void
         self.chunk_trace_counts: Counter[int] = Counter()
         self.per_device, self._shards = False, 1  # decided by bind
         self._micro_fn, self._chunk_fn = (
@@ -243,26 +192,16 @@ class Executables:
             for counts in (self.trace_counts, self.chunk_trace_counts)
         )
         self._bound: tuple[Any, Any] | None = None
-        self._clear()
-
-    def _clear(self) -> None:
-        # Keyed by (size, chunk).
-        self._compiled: dict[tuple[int, int], Executable] = {}
-        self._lowered: dict[tuple[int, int], Any] = {}
-        self._reports: dict[tuple[int, int], dict[str, int]] = {}
-        self._optimizer: dict[bool, Executable] = {}
-        self._finals: dict[tuple[int, int, bool], Executable] = {}
-        # per (size, chunk, with the optimizer step): kept when programs go
-        self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
-        self._fingerprint: str | None = None
 
     # ------------------------------------------------------------ binding a shape
 
     def bind(self, state: TrainState, example_batch: Any) -> bool:
         """Binds the programs to a placed train state and an example's shape.
 
-        Binding another shape (or another state layout) drops every program and
-        measurement of the previous one: they would not accept the new inputs.
+        Binding another shape (or another state layout) drops the chunks, last programs
+        and optimizer steps of the previous one (they would not accept the new inputs)
+        and binds the sizing engine to the new shape's micro-step; what the engine
+        learned of a shape is kept for when it comes back.
 
         Returns:
             Whether anything changed.
@@ -271,7 +210,6 @@ class Executables:
         if self._bound is not None and _same(self._bound, structs):
             return False
         self._bound = structs
-        self.generation += 1
         self.state_structs, self.example = structs
         self.means_struct = self._totals_for(state)
         s = self.state_structs
@@ -285,8 +223,29 @@ class Executables:
         )
         self._micro_jit = self._jit_of(self._program(self._micro_fn))
         self._chunk_jit: dict[int, Any] = {}  # per size: its micro-steps scanned in one program
-        self._clear()
+        self._lowered: dict[tuple[int, int], Any] = {}  # chunks of several, by (size, chunk)
+        self._compiled: dict[tuple[int, int], Executable] = {}
+        self._reports: dict[tuple[int, int], dict[str, int]] = {}
+        self._optimizer: dict[bool, Executable] = {}
+        self._finals: dict[tuple[int, int, bool], Executable] = {}
+        # per (size, chunk, with the optimizer step, whole): kept when programs go
+        self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
+        self._zero_totals: Any = None
+        signature = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
+        self.sizing.bind(signature, self._sized)
         return True
+
+    def _sized(self) -> Sized:
+        """The micro-step as the sizing engine sizes it."""
+        return Sized(
+            lower=lambda size: self.lower(size),
+            resident=self.state_bytes(),
+            inputs=lambda size: self._input_bytes(size, 1),
+            key=lambda: {"example": str(self.example), **self._key()},
+            in_flight=self.in_flight,
+            prior=self._prior,
+            fingerprint_at=self._fingerprint_at,
+        )
 
     @property
     def _axis(self) -> str:
@@ -324,10 +283,10 @@ class Executables:
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), self.example)
 
         def aux_of(params, model_state, b, rng):
-            out, aux, _ = _call_loss(
+            out, aux, _ = call_loss(
                 self.loss_fn, self.has_aux, self.has_state, params, model_state, b, rng
             )
-            _check_per_example("loss_fn's losses", out, 1)
+            check_per_example("loss_fn's losses", out, 1)
             return aux
 
         aux = jax.eval_shape(aux_of, state.params, state.model_state, batch, state.rng)
@@ -335,6 +294,12 @@ class Executables:
             raise TypeError(f"aux must be a dict of per-example metrics, got {type(aux).__name__}.")
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.everywhere)
         return {name: scalar for name in ("loss", *aux)}
+
+    def zero_totals(self) -> Any:
+        """Device zeros of the running totals, made once per shape: never donated."""
+        if self._zero_totals is None:
+            self._zero_totals = zeros(self.totals_struct)
+        return self._zero_totals
 
     # ------------------------------------------------------------ the micro-step
 
@@ -364,41 +329,36 @@ class Executables:
 
     def lower(self, size: int, chunk: int = 1) -> Any:
         """Traces the program for ``size`` (the user's loss runs here, errors and all)."""
-        key = self._check_size(size), self._check_chunk(size, chunk)
-        if key not in self._lowered:
-            self._lowered[key] = self._jit(*key).lower(*self.micro_structs(*key))
-        return self._lowered[key]
+        self._require_bound()
+        if chunk == 1:
+            return self._micro_jit.lower(*self.micro_structs(size))
+        if (size, chunk) not in self._lowered:
+            self._lowered[size, chunk] = self._jit(size, chunk).lower(
+                *self.micro_structs(size, chunk)
+            )
+        return self._lowered[size, chunk]
 
     def _jit_of(self, fn: Any) -> Any:
         return jax.jit(fn, donate_argnames=DONATED, out_shardings=self._outs)
 
     def _jit(self, size: int, chunk: int) -> Any:
-        if chunk == 1:
-            return self._micro_jit
         if size not in self._chunk_jit:
             self._chunk_jit[size] = self._jit_of(self._program(self._chunk_fn, size))
         return self._chunk_jit[size]
 
     def micro(self, size: int, chunk: int = 1) -> Executable:
         """The compiled program for ``chunk`` micro-steps of ``size``, compiled once in use."""
-        key = self._check_size(size), self._check_chunk(size, chunk)
+        if chunk == 1:
+            return self.sizing.executable(size)
+        key = size, chunk
         if key not in self._compiled:
             lowered = self.lower(*key)
             executable = self._compile(lambda: lowered, size)
             del self._lowered[key]
-            if chunk == 1:
-                self.compiles += 1
-            else:
-                self.chunk_compiles += 1
+            self.chunk_compiles += 1
             self._compiled[key] = executable
             self._reports[key] = executable.report
         return self._compiled[key]
-
-    def report(self, size: int, chunk: int = 1) -> dict[str, int]:
-        """XLA's memory analysis of the program for ``size`` (compiled once, ever)."""
-        if (size, chunk) not in self._reports:
-            self.micro(size, chunk)
-        return self._reports[size, chunk]
 
     def ledger(self, size: int, chunk: int = 1) -> Ledger:
         """Everything live on a device while programs of ``size`` run (see `Ledger`).
@@ -408,22 +368,32 @@ class Executables:
         outputs that are not aliased to a donated input (the new model state) and its
         temporaries (a runtime may allocate them at dispatch).
         """
-        return self._ledger_of(size, chunk, final=False)
+        if chunk == 1:
+            return self.sizing.ledger(size)
+        return self._ledger_of(size, chunk, whole=False, final=False)
 
-    def _ledger_of(self, size: int, chunk: int, final: bool) -> Ledger:
-        """`ledger` of ``micro(size, chunk)``, or of ``final(size, chunk)``: measured once."""
-        key = (size, chunk, final and self.whole(size, chunk), final)
+    def _ledger_of(self, size: int, chunk: int, whole: bool, final: bool) -> Ledger:
+        """`ledger` of ``micro(size, chunk)``, or of a last program: measured once."""
+        key = (size, chunk, whole, final)
         if key not in self._ledgers:
-            report = self.final(size, chunk).report if final else self.report(size, chunk)
-            args = self.micro_structs(size, chunk)
-            inputs = tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
-            new_outputs = report["output"] - report["alias"]
-            self._ledgers[key] = Ledger(
-                state=self.state_bytes(),
-                in_flight=self.in_flight * (inputs + new_outputs),
-                program=self.in_flight * report["temp"] + report["code"],
+            if final:
+                report = self._final(size, chunk, whole).report
+            else:
+                if (size, chunk) not in self._reports:
+                    self.micro(size, chunk)
+                report = self._reports[size, chunk]
+            self._ledgers[key] = program_ledger(
+                report,
+                resident=self.state_bytes(),
+                inputs=self._input_bytes(size, chunk),
+                in_flight=self.in_flight,
             )
         return self._ledgers[key]
+
+    def _input_bytes(self, size: int, chunk: int) -> int:
+        """What a program of ``chunk`` micro-steps of ``size`` transfers per call."""
+        args = self.micro_structs(size, chunk)
+        return tree_bytes((args.batch, args.weights, args.offset, args.k, args.target))
 
     def example_bytes(self) -> int:
         """Bytes one example (and its weight) adds to a program's inputs."""
@@ -443,7 +413,7 @@ class Executables:
         return tree_bytes((state, self.totals_struct))
 
     def release(self, keep: Container[int]) -> None:
-        """Frees the compiled programs of every size not in ``keep`` (reports stay)."""
+        """Frees the compiled programs of every size not in ``keep`` (measures stay)."""
         for programs in (self._compiled, self._finals):
             for key in [key for key in programs if key[0] not in keep]:
                 del programs[key]
@@ -451,32 +421,7 @@ class Executables:
 
     def compiled_sizes(self) -> list[int]:
         """The sizes whose compiled program (of any chunk) is held now."""
-        return sorted({size for size, _ in self._compiled})
-
-    def fingerprint(self, size: int) -> str:
-        """A digest of the lowered micro-step: the model, loss, optimizer and shapes."""
-        if self._fingerprint is None:
-            text = self._micro_jit.lower(*self.micro_structs(size)).as_text()
-            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()
-        return self._fingerprint
-
-    def _check_chunk(self, size: int, chunk: Any) -> int:
-        if isinstance(chunk, bool) or not isinstance(chunk, int | np.integer) or chunk < 1:
-            raise ValueError(f"{chunk=} must be a positive int.")
-        if size * chunk > self.target_batch_size + size - 1:
-            raise ValueError(
-                f"a chunk of {chunk} micro-steps of {size} covers more than "
-                f"target_batch_size={self.target_batch_size}."
-            )
-        return int(chunk)
-
-    def _check_size(self, size: Any) -> int:
-        self._require_bound()
-        if isinstance(size, bool) or not isinstance(size, int | np.integer):
-            raise TypeError(f"size must be an int, got {size!r}.")
-        if not 1 <= size <= self.target_batch_size:
-            raise ValueError(f"{size=} must be in [1, target_batch_size={self.target_batch_size}].")
-        return int(size)
+        return sorted(set(self.sizing.compiled_sizes()) | {size for size, _ in self._compiled})
 
     # ------------------------------------------------------------ the optimizer step
 
@@ -497,21 +442,24 @@ class Executables:
             )
         return self._optimizer[donate]
 
-    def final(self, size: int, chunk: int = 1) -> Executable:
+    def final(self, size: int, chunk: int, T: int) -> Executable:
         """An update's last ``chunk`` micro-steps of ``size`` and the optimizer step, compiled.
 
         It takes the arguments of ``micro(size, chunk)``, donates what it donates (the
         train state stays intact: a failure loses nothing) and returns ``(params,
         opt_state, model_state, means)`` (`jax_adaptive.step.with_optimizer_step`).
-        When those micro-steps are the whole update (`whole`), it neither reads nor
-        donates the accumulator and returns ``opt_state.acc_grads=None``: the state's,
-        zeros between updates, stays the new state's. Compiled once per size, chunk and
-        whether it is whole; `final_ledger` is its peak.
+        When those micro-steps are the whole update of ``T`` examples (`whole`), it
+        neither reads nor donates the accumulator and returns
+        ``opt_state.acc_grads=None``: the state's, zeros between updates, stays the new
+        state's. Compiled once per size, chunk and whether it is whole; `final_ledger`
+        is its peak.
         """
-        size, chunk = self._check_size(size), self._check_chunk(size, chunk)
-        key = (size, chunk, self.whole(size, chunk))
+        return self._final(size, chunk, self.whole(size, chunk, T))
+
+    def _final(self, size: int, chunk: int, whole: bool) -> Executable:
+        key = (size, chunk, whole)
         if key not in self._finals:
-            whole, s = key[2], self.state_structs
+            s = self.state_structs
             program = with_optimizer_step(
                 self._program(self._chunk_fn, size if chunk > 1 else None),
                 make_optimizer_step(self.optimizer, per_device=self.per_device),
@@ -527,17 +475,17 @@ class Executables:
             self.final_compiles += 1
         return self._finals[key]
 
-    def whole(self, size: int, chunk: int) -> bool:
-        """Whether ``chunk`` micro-steps of ``size`` are a whole update of the target now.
+    def whole(self, size: int, chunk: int, T: int) -> bool:
+        """Whether ``chunk`` micro-steps of ``size`` are a whole update of ``T`` examples.
 
         Its last program then starts from zeros instead of the state's accumulator
         (one device's: not `per_device`, whose accumulator has a device axis).
         """
-        return not self.per_device and chunk == math.ceil(self.target_batch_size / size)
+        return not self.per_device and chunk == math.ceil(T / size)
 
     def _compile(self, lower: Any, size: int | None = None) -> Executable:
-        """`compile_measured` with this object's fault hook (for a ``size``'s compile)."""
-        return compile_measured(lower, None if size is None else self.fault_hook, size)
+        """`compile_measured` with the engine's fault hook (for a ``size``'s compile)."""
+        return compile_measured(lower, None if size is None else self.sizing.fault_hook, size)
 
     def new_state_bytes(self) -> int:
         """Bytes an optimizer step writes beside the state it does not donate.
@@ -549,29 +497,32 @@ class Executables:
         s = self.state_structs
         return tree_bytes((s.params, s.opt_state.inner_opt_state))
 
-    def final_ledger(self, size: int, chunk: int = 1) -> Ledger:
+    def final_ledger(self, size: int, chunk: int, T: int) -> Ledger:
         """Everything live while `final` runs: ``ledger``'s parts, with the new state."""
-        return self._ledger_of(size, chunk, final=True)
+        return self._ledger_of(size, chunk, self.whole(size, chunk, T), final=True)
 
     def optimizer_step_ledger(self, donate: bool) -> Ledger:
         """Everything live while the optimizer step runs: the state, its new outputs, temps."""
         report = self.optimizer_step(donate).report
-        return Ledger(
-            state=self.state_bytes(),
-            in_flight=report["output"] - report["alias"],
-            program=report["temp"] + report["code"],
-        )
+        return program_ledger(report, resident=self.state_bytes(), inputs=0)
 
     # ------------------------------------------------------------ timing
 
     def time_program(
-        self, executable: Executable, state: TrainState, size: int, chunk: int = 1, reps: int = 3
+        self,
+        executable: Executable,
+        state: TrainState,
+        size: int,
+        T: int,
+        chunk: int = 1,
+        reps: int = 3,
     ) -> float:
         """The fastest of ``reps`` runs of a program of ``micro(size, chunk)``'s arguments.
 
-        In seconds, on ``state`` and a batch of zeros, after a first run that warms up.
-        ``executable`` is ``micro(size, chunk)`` or ``final(size, chunk)``.
-        Out-of-memory errors propagate: the caller decides what they mean.
+        In seconds, on ``state`` and a batch of zeros, for updates of ``T`` examples,
+        after a first run that warms up. ``executable`` is ``micro(size, chunk)`` or
+        ``final(size, chunk, T)``. Out-of-memory errors propagate: the caller decides
+        what they mean.
         """
         structs = self.micro_structs(size, chunk)
         w = structs.weights
@@ -584,7 +535,7 @@ class Executables:
             rng=state.rng,
             offset=np.int32(0),
             k=np.int32(chunk + 1),
-            target=np.int32(self.target_batch_size),
+            target=np.int32(T),
             totals=zeros(structs.totals),
         )
         seconds = []

@@ -35,6 +35,7 @@ __all__ = [
     "learned_capacity",
     "memory_report",
     "others_bytes",
+    "program_ledger",
     "tree_bytes",
     "usable_capacity",
 ]
@@ -144,6 +145,28 @@ class Ledger(NamedTuple):
     def total(self) -> int:
         """The peak: the sum of the parts."""
         return self.state + self.in_flight + self.program
+
+
+def program_ledger(
+    report: Mapping[str, int], *, resident: int, inputs: int, in_flight: int = 1
+) -> Ledger:
+    """The `Ledger` of a program from XLA's report of it (`memory_report`).
+
+    ``resident``: the bytes live whatever the program reads (a whole train state);
+    ``inputs``: what each call transfers; ``in_flight``: calls dispatched at once, each
+    holding its inputs, its outputs not aliased to a donated input and its temporaries.
+
+    Example:
+        >>> report = {"argument": 900, "output": 300, "alias": 100, "temp": 50, "code": 7}
+        >>> program_ledger(report, resident=1_000, inputs=40, in_flight=2)
+        Ledger(state=1000, in_flight=480, program=107)
+    """
+    new_outputs = report["output"] - report["alias"]
+    return Ledger(
+        state=resident,
+        in_flight=in_flight * (inputs + new_outputs),
+        program=in_flight * report["temp"] + report["code"],
+    )
 
 
 def device_capacity(device: jax.Device | None = None) -> int | None:

@@ -31,8 +31,8 @@ from jax_adaptive.step import (
     Batch,
     Params,
     PerExampleLoss,
-    _call_loss,
-    _takes_weights,
+    call_loss,
+    loss_takes_weights,
     weighted_sums,
 )
 
@@ -204,7 +204,7 @@ def micro_batch_grad(
         (True, 17.0)
     """
     m = _check_size(micro_batch_size)
-    takes_weights = _takes_weights(loss_fn)
+    takes_weights = loss_takes_weights(loss_fn)
 
     def grad_fn(
         params: Params,
@@ -239,7 +239,7 @@ def micro_batch_grad(
             batch,
         )
         _, aux, _ = jax.eval_shape(
-            lambda p, s, b, r: _call_loss(loss_fn, has_aux, has_state, p, s, b, r),
+            lambda p, s, b, r: call_loss(loss_fn, has_aux, has_state, p, s, b, r),
             params, model_state, micro, rng,
         )  # fmt: skip
         if not isinstance(aux, dict):

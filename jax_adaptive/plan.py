@@ -15,6 +15,14 @@ from jax_adaptive.memory import Ledger
 __all__ = ["Objective", "Plan", "SizeTrial", "chunk_length", "least_padding_size"]
 
 DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
+_DECIDED = {  # how each way of deciding reads in a trial's line
+    "estimate": "compiled in {seconds:.1f} s",
+    "cache": "measured before",
+    "compile": "compiling it ran out of memory",
+    "run": "a real run ran out of memory",
+    "learned": "above the capacity real runs taught",
+    "plan cache": "from the plan cache",
+}
 Objective = Literal["least_padding", "max", "throughput"]
 
 
@@ -49,6 +57,21 @@ class SizeTrial(NamedTuple):
     in_flight_bytes: int | None = None
     program_bytes: int | None = None
 
+    def describe(self, what: str = "micro-step of", capacity: int | None = None) -> str:
+        """The trial in one line, as the search logs it.
+
+        Example:
+            >>> trial = SizeTrial(64, True, 2_000_000, 4.1, "estimate", "init")
+            >>> trial.describe(capacity=3_000_000)
+            'micro-step of 64 fits: 2,000,000 of 3,000,000 bytes (compiled in 4.1 s; init)'
+        """
+        verdict = "fits" if self.fits else "does not fit"
+        need = "? bytes" if self.estimated_bytes is None else f"{self.estimated_bytes:,}"
+        if self.estimated_bytes is not None:
+            need += " bytes" if capacity is None else f" of {capacity:,} bytes"
+        how = _DECIDED[self.decided_by].format(seconds=self.seconds)
+        return f"{what} {self.size} {verdict}: {need} ({how}; {self.reason})"
+
 
 class Plan(NamedTuple):
     """The size in use and what it costs.
@@ -68,6 +91,18 @@ class Plan(NamedTuple):
         fused: whether the update's last program runs the optimizer step too (one
             dispatch fewer; its ledger, with the new state beside the old, fits);
             None until the size's first update decides it.
+        source: how the size was decided: ``"searched"``, ``"plan cache"`` (a run of
+            the same job stored it), ``"fixed"`` or ``"shrunk"`` (after an
+            out-of-memory); None when unknown.
+
+    ``str(plan)`` says all of it in words.
+
+    Example:
+        >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
+        >>> print(Plan(34, 3, ledger, 2_000, chunk=3, largest=40, fused=True, source="searched"))
+        micro-batch 34 x 3 micro-steps (searched; the largest that fits is 40), peak 1,500 \
+of 2,000 bytes (state 1,000 + in flight 200 + program 300), 3 micro-steps per dispatch, \
+the optimizer step in the last program
     """
 
     micro_batch_size: int
@@ -77,6 +112,31 @@ class Plan(NamedTuple):
     chunk: int | None = None
     largest: int | None = None
     fused: bool | None = None
+    source: str | None = None
+
+    def __str__(self) -> str:
+        m, k = self.micro_batch_size, self.accumulation_steps
+        words = [f"micro-batch {m} x {k} micro-step{'s' * (k != 1)}"]
+        why = [self.source] if self.source else []
+        if self.largest is not None and self.largest != m:
+            why.append(f"the largest that fits is {self.largest}")
+        if why:
+            words[0] += f" ({'; '.join(why)})"
+        of = "" if self.capacity is None else f" of {self.capacity:,}"
+        if self.ledger is None:
+            words.append(f"peak not measured yet{of and f' (capacity{of} bytes)'}")
+        else:
+            parts = self.ledger
+            words.append(
+                f"peak {parts.total:,}{of} bytes (state {parts.state:,} + in flight "
+                f"{parts.in_flight:,} + program {parts.program:,})"
+            )
+        if self.chunk is not None:
+            words.append(f"{self.chunk} micro-step{'s' * (self.chunk != 1)} per dispatch")
+        if self.fused is not None:
+            where = "in the last program" if self.fused else "apart"
+            words.append(f"the optimizer step {where}")
+        return ", ".join(words)
 
 
 def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 1) -> int:

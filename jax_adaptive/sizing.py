@@ -1,96 +1,331 @@
-"""Which sizes fit: one size's verdict, the search for the largest, what a real OOM teaches.
+"""The one sizing engine: which sizes of a program fit the device, and which one to run.
 
-The trainer's `jax_adaptive.planner.Planner` (micro-batches), `jax_adaptive.Evaluator`
-(evaluation batches) and `jax_adaptive.AdaptiveStep` (a step the user builds) each know
-how to compile a size and count its `jax_adaptive.Ledger`; `SizeSearch` does the rest
-for all three: it compares a size's ledger with the capacity, remembers the lower
-capacity that real out-of-memory errors teach, records every `SizeTrial`, and finds the
-largest size that fits with `jax_adaptive.search_max_size`, guided by the memory model.
+A client (the trainer's planner for micro-steps, `jax_adaptive.Evaluator` for
+evaluation batches, `jax_adaptive.AdaptiveStep` for a step the user builds) says only
+what its program is for one input signature, as a `Sized`: how to lower it at a size,
+what stays resident, what each call transfers, what its plan-cache key holds.
+`Sizing` does the rest, once for every client:
+
+* **capacity**: ``memory_limit`` (a device of that many bytes, compared exactly) and,
+  where the device says (a GPU), its capacity less ``headroom`` less what other arrays
+  held when the plan was made;
+* **the ledger** of a size (`jax_adaptive.memory.Ledger`) from XLA's memory analysis,
+  compiled once per size, measured once ever: the programs of sizes not in use are
+  released, their measures kept;
+* **the search** for the largest size that fits (`jax_adaptive.search_max_size`,
+  guided by the `jax_adaptive.memory.MemoryModel` of the sizes measured), every trial
+  recorded as a `jax_adaptive.SizeTrial` and said on the ``jax_adaptive`` logger;
+* **the plan cache**: the key, the entry a run of the same job stored, the entry put;
+* **out-of-memory**: the lower capacity a real one teaches, and the shrink to the
+  largest size below the one that failed, retrying the smallest a few times in a row;
+* **one binding per input signature**, kept: a client that alternates between input
+  shapes finds each shape's measures, plan and compiled program where it left them.
+
+Every trial is logged at INFO on the ``jax_adaptive`` logger, which writes to stderr by
+default; ``logging.getLogger("jax_adaptive").setLevel(logging.WARNING)`` silences it.
 """
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import logging
+import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple, Protocol
 
-from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.memory import Ledger, learned_capacity
+import jax
+
+from jax_adaptive import checks
+from jax_adaptive.errors import (
+    NothingFitsError,
+    PeerOutOfMemory,
+    SimulatedOutOfMemory,
+    catch_oom,
+)
+from jax_adaptive.memory import (
+    Ledger,
+    MemoryModel,
+    device_capacity,
+    learned_capacity,
+    memory_report,
+    others_bytes,
+    program_ledger,
+    usable_capacity,
+)
 from jax_adaptive.plan import DecidedBy, SizeTrial
+from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import search_max_size
 
-__all__ = ["SizeSearch"]
+__all__ = ["Executable", "FaultHook", "Sized", "Sizing", "compile_measured"]
 
 log = logging.getLogger("jax_adaptive")
+if not log.handlers:  # say what the search does unless the user set up this logger
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("jax_adaptive: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
-Propose = Callable[[int | None, int | None], int | None]
+
+class FaultHook(Protocol):
+    """What `jax_adaptive.testing.FaultInjector` implements: called before compiles and runs."""
+
+    def before_compile(self, size: int) -> None:
+        """Called before the program for ``size`` compiles."""
+
+    def before_execution(self, size: int, args: Any) -> None:
+        """Called before a program of ``size`` runs on ``args``."""
 
 
-class SizeSearch:
-    """Decides whether sizes fit and searches the largest, for one kind of program.
+class Executable(NamedTuple):
+    """A compiled program with XLA's memory analysis of it and what compiling cost."""
+
+    compiled: Any
+    report: dict[str, int]
+    seconds: float
+
+
+def compile_measured(
+    lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
+) -> Executable:
+    """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
+
+    ``fault_hook.before_compile(size)`` runs first when a hook is given (the compile of
+    that size may be made to fail). The time counts the lowering ``lower`` does.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> program = compile_measured(lambda: jax.jit(jnp.sin).lower(jnp.ones(4)))
+        >>> program.report["output"] >= 16 and program.seconds > 0
+        True
+    """
+    start = time.perf_counter()
+    if fault_hook is not None:
+        fault_hook.before_compile(size)
+    compiled = lower().compile()
+    return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
+
+
+class Sized(NamedTuple):
+    """What a client says of the program it sizes, for one input signature.
+
+    Attributes:
+        lower: ``size -> jax.stages.Lowered``: traces the program at that size (the
+            user's code runs here; its errors propagate as themselves).
+        resident: bytes live on the device whatever the size (the train state, the
+            parameters), counted whole whether the program reads them or not.
+        inputs: ``size -> bytes`` each call transfers (the batch in flight).
+        key: ``() -> {name: value}``, what besides the device, the limits and the
+            program's code decides the plan (the plan cache's key).
+        in_flight: calls dispatched at once; each holds its inputs, new outputs and
+            temporaries.
+        off_line: a size whose peak lies off the line of the others (a micro-batched
+            step at the whole batch runs no loop), left out of the memory model's
+            guesses.
+        prior: a predicted ``(intercept, slope)`` of the peak against the size.
+        fingerprint_at: ``() -> size`` whose lowered text fingerprints the program (a
+            size every model accepts: a multiple of the ghost batch and the shards).
+    """
+
+    lower: Callable[[int], Any]
+    resident: int
+    inputs: Callable[[int], int]
+    key: Callable[[], Mapping[str, Any]]
+    in_flight: int = 1
+    off_line: int | None = None
+    prior: tuple[float, float] | None = None
+    fingerprint_at: Callable[[], int] = lambda: 1
+
+
+class _Binding:
+    """What the engine knows of one input signature's program."""
+
+    def __init__(self, sized: Sized):
+        self.sized = sized
+        self.memory_model = MemoryModel(prior=sized.prior)
+        self.ledgers: dict[int, Ledger] = {}
+        self.lowered: dict[int, Any] = {}
+        self.programs: dict[int, Executable] = {}
+        self.fingerprint: str | None = None
+        self.learned_cap: int | None = None  # the capacity real out-of-memory errors taught
+        self.streak = 0  # out-of-memory errors since a run last succeeded
+        self.real_ooms = 0  # real out-of-memory errors since `start`
+        self.ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
+        self.plans: dict[Hashable, int] = {}  # the client's plans, by what decides them
+        self.size: int | None = None  # the size in use
+        self.largest: int | None = None  # the largest size that fits, when searched
+
+
+class Sizing:
+    """The sizing engine of one device: capacity, ledgers, search, plan cache, shrink.
 
     Args:
         what: how a size is named in logs and errors, followed by the size
             (``"micro-step of"``: "micro-step of 64 does not fit").
-        ledger: ``ledger(size)``, the size's `jax_adaptive.Ledger`, compiling it if need
-            be; out-of-memory errors while compiling are caught.
-        capacity: ``capacity()``, the bytes a ledger may reach (None: unknown).
-        known: ``known(size)``, the peak bytes measured for the size before, or None.
-        propose: ``propose(capacity)``, the memory model's next guess for the search.
-        lower: ``lower(size)``, tracing the user's code for a size not measured yet,
-            outside the out-of-memory guard so that its errors propagate as themselves.
-        headroom: the fraction below a failed peak that a first real out-of-memory
-            teaches (`jax_adaptive.memory.learned_capacity`).
+        memory_limit: bytes: a device of that size (on a CPU, a simulated one).
+        headroom: the share of a device's real capacity left unused; never applied to
+            ``memory_limit``.
+        device: the device whose capacity counts (the first local device by default).
+        plan_cache: where plans are remembered, or None.
+        oom_retries: real out-of-memory errors in a row retried at the smallest size
+            before giving up.
+        agree: what every process plans from the size this one found (the smallest any
+            found, under ``jax.distributed``); the size itself by default.
 
     Attributes:
-        search_log: every `SizeTrial`, in order.
-        learned_cap: the capacity real out-of-memory errors taught (None: none yet).
+        search_log: every `jax_adaptive.SizeTrial`, in order, of every signature.
+        compiles: the sized programs compiled so far.
+        fault_hook: a `FaultHook` called before each compile, or None.
 
     Example:
-        >>> from jax_adaptive.memory import Ledger, MemoryModel
-        >>> model = MemoryModel()
-        >>> def ledger(size):  # 100 bytes per example, 1,000 resident
-        ...     model.add(size, 1_000 + 100 * size)
-        ...     return Ledger(state=1_000, in_flight=100 * size, program=0)
-        >>> sizes = SizeSearch(
-        ...     "micro-step of", ledger=ledger, capacity=lambda: 5_000,
-        ...     known=model.points.get, propose=model.propose,
-        ... )  # fmt: skip
-        >>> sizes.largest(hi=64, reason="init")
-        40
-        >>> [(t.size, t.fits) for t in sizes.search_log][-2:]  # the exact edge
-        [(40, True), (41, False)]
+        >>> import jax, jax.numpy as jnp
+        >>> def lower(size):  # a program whose temporaries grow with the size
+        ...     x = jax.ShapeDtypeStruct((size, 1024), jnp.float32)
+        ...     return jax.jit(lambda a: jnp.tanh(a) @ jnp.tanh(a).T).lower(x)
+        >>> sizing = Sizing("batch of", memory_limit=200_000)
+        >>> _ = sizing.bind("f", lambda: Sized(lower, 0, lambda n: 4096 * n, dict))
+        >>> largest = sizing.largest(hi=64, reason="example")
+        >>> sizing.ledger(largest).total <= 200_000 < sizing.ledger(largest + 1).total
+        True
     """
 
     def __init__(
         self,
         what: str,
         *,
-        ledger: Callable[[int], Ledger],
-        capacity: Callable[[], int | None],
-        known: Callable[[int], int | None],
-        propose: Callable[[int], Propose],
-        lower: Callable[[int], Any] | None = None,
-        headroom: float = 0.0,
+        memory_limit: int | None = None,
+        headroom: float = 0.05,
+        device: jax.Device | None = None,
+        plan_cache: PlanCache | None = None,
+        oom_retries: int = 3,
+        agree: Callable[[int], int] | None = None,
     ):
         self.what = what
-        self._ledger, self._capacity, self._known = ledger, capacity, known
-        self._propose, self._lower, self.headroom = propose, lower, headroom
+        self.memory_limit = checks.check_limit(memory_limit)
+        self.headroom = checks.check_fraction("headroom", headroom)
+        self.device = device or jax.local_devices()[0]
+        self.plan_cache = plan_cache
+        self.oom_retries = checks.non_negative_int("oom_retries", oom_retries)
+        self.agree = agree or (lambda size: size)
         self.search_log: list[SizeTrial] = []
-        self.learned_cap: int | None = None
+        self.compiles = 0
+        self.fault_hook: FaultHook | None = None
+        self._bindings: dict[Hashable, _Binding] = {}
+        self._bound: _Binding | None = None
+        self._others = 0  # bytes other live arrays held on the device at the last plan
+
+    # ------------------------------------------------------------ capacity
+
+    def capacity(self) -> int | None:
+        """The bytes a ledger may reach; None when unknown (a CPU with no limit)."""
+        return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
 
     def guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one, or the learned one if lower."""
-        caps = (self._capacity(), self.learned_cap)
+        caps = (self.capacity(), self.bound.learned_cap)
         return min([c for c in caps if c is not None], default=None)
 
-    def check(self, size: int, ledger: Ledger | None = None) -> None:
+    def measure_others(self, own: int) -> None:
+        """Notes the bytes live on the device now that are not ``own`` (another job's)."""
+        self._others = others_bytes(self.device, own)
+
+    def set_memory_limit(self, memory_limit: int | None) -> bool:
+        """Changes the cap; returns whether it was raised (a larger size may fit now)."""
+        old, self.memory_limit = self.memory_limit, checks.check_limit(memory_limit)
+        if memory_limit is None:
+            return old is not None
+        return old is not None and memory_limit > old
+
+    def forget_learned(self) -> None:
+        """Drops the capacity real runs taught: memory may have come back."""
+        self.bound.learned_cap = None
+
+    # ------------------------------------------------------------ signatures
+
+    def bind(self, signature: Hashable, sized: Callable[[], Sized]) -> bool:
+        """Makes ``signature``'s program the one sized; returns whether it is new.
+
+        A signature seen before keeps what was learned of it (its measures, its plan,
+        its compiled program); ``sized()`` is called only for a new one.
+        """
+        binding = self._bindings.get(signature)
+        new = binding is None
+        if new:
+            binding = self._bindings[signature] = _Binding(sized())
+        self._bound = binding
+        return new
+
+    @property
+    def bound(self) -> _Binding:
+        """The binding in use."""
+        if self._bound is None:
+            raise RuntimeError(f"nothing is bound yet: the {self.what} has no inputs.")
+        return self._bound
+
+    @property
+    def memory_model(self) -> MemoryModel:
+        """The `jax_adaptive.memory.MemoryModel` of the sizes measured for the binding."""
+        return self.bound.memory_model
+
+    # ------------------------------------------------------------ programs and ledgers
+
+    def lower(self, size: int) -> Any:
+        """Traces the program at ``size`` (once while it is not compiled)."""
+        b = self.bound
+        if size not in b.lowered and size not in b.programs:
+            b.lowered[size] = b.sized.lower(size)
+        return b.lowered.get(size)
+
+    def executable(self, size: int) -> Executable:
+        """The compiled program at ``size``, compiled once while in use."""
+        b = self.bound
+        if size not in b.programs:
+            lowered = self.lower(size)
+            program = compile_measured(lambda: lowered, self.fault_hook, size)
+            b.lowered.pop(size, None)
+            b.programs[size] = program
+            self.compiles += 1
+        return b.programs[size]
+
+    def ledger(self, size: int) -> Ledger:
+        """Everything live on the device while the program at ``size`` runs (measured once)."""
+        b = self.bound
+        if size not in b.ledgers:
+            s = b.sized
+            b.ledgers[size] = program_ledger(
+                self.executable(size).report,
+                resident=s.resident,
+                inputs=s.inputs(size),
+                in_flight=s.in_flight,
+            )
+            b.memory_model.add(size, b.ledgers[size].total)
+        return b.ledgers[size]
+
+    def compiled_sizes(self) -> list[int]:
+        """The sizes whose compiled program the binding holds now."""
+        return sorted(self.bound.programs) if self._bound is not None else []
+
+    def peak(self, size: int) -> int | None:
+        """The ledger's total measured for ``size``, or None if it never was."""
+        ledger = self.bound.ledgers.get(size)
+        return None if ledger is None else ledger.total
+
+    def check(self, size: int) -> None:
         """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
-        capacity = self._capacity()
-        needed = (ledger or self._ledger(size)).total
+        capacity, needed = self.capacity(), self.ledger(size).total
         if capacity is not None and needed > capacity:
             raise SimulatedOutOfMemory(needed, capacity, what=f"{self.what} {size}")
+
+    def use(self, size: int) -> None:
+        """Runs ``size`` from now on: the programs of other sizes are freed (not their measures)."""
+        b = self.bound
+        b.size = size
+        b.programs = {s: p for s, p in b.programs.items() if s == size}
+        b.lowered = {s: low for s, low in b.lowered.items() if s == size}
+
+    # ------------------------------------------------------------ deciding sizes
 
     def fits(self, size: int, reason: str) -> bool:
         """Decides one size: compiles it (once ever), compares its ledger, records the trial.
@@ -98,17 +333,17 @@ class SizeSearch:
         A size fails when compiling it runs out of memory, when its ledger exceeds the
         capacity, or when it lies above the capacity learned from real runs.
         """
-        start = time.perf_counter()
-        measured = self._known(size) is not None
-        if not measured and self._lower is not None:
-            self._lower(size)  # the user's code traces here: its errors propagate
-        ledger, error = catch_oom(lambda: self._ledger(size))  # compiling may run out
+        start, b = time.perf_counter(), self.bound
+        measured = size in b.ledgers
+        if not measured:
+            self.lower(size)  # the user's code traces here: its errors propagate
+        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
         decided: DecidedBy = "compile" if ledger is None else "cache" if measured else "estimate"
         if ledger is not None:
-            capacity = self._capacity()
+            capacity = self.capacity()
             if capacity is not None and ledger.total > capacity:
                 error = "above the capacity"
-            elif self.learned_cap is not None and ledger.total > self.learned_cap:
+            elif b.learned_cap is not None and ledger.total > b.learned_cap:
                 decided, error = "learned", "above the capacity learned from real runs"
         self.record(size, error is None, ledger, time.perf_counter() - start, decided, reason)
         return error is None
@@ -116,10 +351,11 @@ class SizeSearch:
     def largest(
         self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1
     ) -> int:
-        """The largest size in ``[max(lo, least), hi]`` that fits.
+        """The largest size in ``[max(lo, least), hi]`` that fits, agreed between processes.
 
         Multiples of ``multiple_of`` (itself a multiple of ``least``) are preferred;
-        when none fits, multiples of ``least`` below ``multiple_of`` are tried.
+        when none fits, multiples of ``least`` below ``multiple_of`` are tried. The
+        result is the binding's ``largest``.
 
         Raises:
             NothingFitsError: not even the smallest candidate fits; says the bytes it
@@ -146,41 +382,139 @@ class SizeSearch:
                 )
         except NothingFitsError as exc:
             raise self.nothing_fits(exc.smallest, exc.trials) from None
-        return found.size
+        self.bound.largest = self.agree(found.size)
+        return self.bound.largest
 
-    def nothing_fits(self, size: int, trials: list) -> NothingFitsError:
+    def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
+        """The memory model's guesses, leaving out the size off its line."""
+        b = self.bound
+        off = b.sized.off_line
+        if off is None:
+            return b.memory_model.propose(capacity)
+
+        def propose(good: int | None, bad: int | None) -> int | None:
+            points = {s: n for s, n in b.memory_model.points.items() if s != off}
+            return MemoryModel(points, b.memory_model.prior).propose(capacity)(good, bad)
+
+        return propose
+
+    def nothing_fits(self, size: int, trials: list, detail: str | None = None) -> NothingFitsError:
         """The one error for a size that does not fit, with the bytes it needs."""
-        needed, capacity = self._known(size), self.guide_capacity()
+        needed, capacity = self.peak(size), self.guide_capacity()
         return NothingFitsError(
             size,
             trials,
-            detail=f"the {self.what} {size} needs "
-            f"{f'{needed:,}' if needed is not None else '?'} bytes (estimate) and "
-            f"{f'{capacity:,}' if capacity is not None else 'fewer'} bytes are available",
+            detail=detail
+            or f"the {self.what} {size} needs {f'{needed:,}' if needed is not None else '?'} "
+            f"bytes (estimate) and {f'{capacity:,}' if capacity is not None else 'fewer'} "
+            "bytes are available",
         )
 
-    def from_cache(
-        self, plan_cache: Any, key: Callable[[], str], bound: int, reason: str
-    ) -> int | None:
-        """The size a run of the same job stored in ``plan_cache`` (recorded), or None.
+    # ------------------------------------------------------------ the plan cache
 
-        ``key``: makes the job's key (it may lower the program: called only with a
-        cache). ``bound``: the largest size that makes sense (an entry above it is
-        ignored). None without a plan cache.
+    def key(self) -> str:
+        """The plan cache's key: the device, the limits, the program's code, the client's parts."""
+        b = self.bound
+        if b.fingerprint is None:
+            size = b.sized.fingerprint_at()
+            lowered = self.lower(size) or b.sized.lower(size)
+            b.fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        device = self.device
+        return plan_key(
+            platform=device.platform,
+            device_kind=device.device_kind,
+            device_capacity=device_capacity(device),
+            memory_limit=self.memory_limit,
+            headroom=self.headroom,
+            program=b.fingerprint,
+            jax=jax.__version__,
+            **b.sized.key(),
+        )
+
+    def cached(self, bound: int, reason: str) -> int | None:
+        """The size a run of the same job stored (recorded as a trial), or None.
+
+        ``bound``: the largest size that makes sense (an entry above it is ignored).
         """
-        if plan_cache is None:
+        if self.plan_cache is None:
             return None
         start = time.perf_counter()
-        entry = plan_cache.plan(key(), bound)
+        entry = self.plan_cache.plan(self.key(), bound)
         if entry is None:
             return None
         size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
         self.record(size, True, estimate, time.perf_counter() - start, "plan cache", reason)
         return size
 
-    def learn(self, peak: int, first: bool) -> None:
-        """A real out-of-memory at a ledger of ``peak``: the capacity lies below it."""
-        self.learned_cap = learned_capacity(peak, self.headroom, first, self.learned_cap)
+    def store(self, size: int, **entry: Any) -> None:
+        """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``."""
+        if self.plan_cache is not None:
+            plan = {"micro_batch_size": size, "estimated_bytes": self.peak(size)}
+            self.plan_cache.put(self.key(), {**plan, "capacity": self.capacity(), **entry})
+
+    # ------------------------------------------------------------ out of memory
+
+    def start(self) -> None:
+        """A new update, call or batch: its first real out-of-memory counts as the first."""
+        self.bound.real_ooms = 0
+
+    def ran(self, what: Hashable = None) -> None:
+        """A run succeeded: out-of-memory errors are no longer in a row; ``what`` ran."""
+        b = self.bound
+        b.streak = 0
+        if what is not None:
+            b.ran.add(what)
+
+    def has_run(self, what: Hashable) -> bool:
+        """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
+        return what in self.bound.ran
+
+    def failed(self, exc: BaseException, size: int, reason: str) -> bool:
+        """Records that ``size`` ran out of memory; returns whether it was real.
+
+        A real out-of-memory says the ledger was optimistic: the capacity the search
+        aims under becomes the failed size's peak less ``headroom`` the first time since
+        `start`, and half of it each further time (the peak is then no guide).
+        """
+        b = self.bound
+        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
+        peak = self.peak(size)
+        self.record(size, False, peak, 0.0, "run" if real else "estimate", reason)
+        log.warning(
+            "%s %d ran out of memory (%s)", self.what, size, "real" if real else "simulated"
+        )
+        b.streak += 1
+        gc.collect()  # what the failed attempt held only through reference cycles goes now
+        if real and peak is not None:
+            b.real_ooms += 1
+            b.learned_cap = learned_capacity(peak, self.headroom, b.real_ooms == 1, b.learned_cap)
+        return real
+
+    def shrink(
+        self, exc: BaseException, size: int, *, reason: str, multiple_of: int = 1, least: int = 1
+    ) -> int:
+        """The largest size below ``size`` that fits, after ``size`` ran out of memory.
+
+        At the smallest size (``least``), or when nothing below fits, a real
+        out-of-memory is retried at ``least`` up to ``oom_retries`` times in a row (it
+        can pass: fragmentation, another job's peak); past that, or for a simulated
+        one, `NothingFitsError` is raised from ``exc``.
+        """
+        real = self.failed(exc, size, reason)
+        try:
+            if size <= least:
+                raise self.nothing_fits(size, []) from exc
+            return self.largest(
+                hi=size - 1, reason=f"out of memory at size {size}",
+                multiple_of=multiple_of, least=least,
+            )  # fmt: skip
+        except NothingFitsError:
+            if not real or self.bound.streak > self.oom_retries:
+                raise
+            self.bound.largest = least
+            return least
+
+    # ------------------------------------------------------------ the log
 
     def record(
         self,
@@ -191,11 +525,12 @@ class SizeSearch:
         decided_by: DecidedBy,
         reason: str,
     ) -> SizeTrial:
-        """Appends a `SizeTrial` to ``search_log`` and logs it at INFO; returns it.
+        """Appends a `jax_adaptive.SizeTrial` to ``search_log`` and logs it at INFO.
 
-        ``ledger``: the size's `jax_adaptive.Ledger` (its parts are recorded), its
-        total bytes alone, or None when unknown. `fits` records its own trials; this is
-        also for trials decided elsewhere (a plan cache, a run that ran out of memory).
+        ``ledger``: the size's `jax_adaptive.memory.Ledger` (its parts are recorded),
+        its total bytes alone, or None when unknown. `fits` records its own trials;
+        this is also for trials decided elsewhere (a plan cache, a run that ran out of
+        memory).
         """
         parts = (
             (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
@@ -203,12 +538,5 @@ class SizeSearch:
         total = ledger.total if isinstance(ledger, Ledger) else ledger
         trial = SizeTrial(size, fits, total, seconds, decided_by, reason, *parts)
         self.search_log.append(trial)
-        log.info(
-            "%s %d %s (%s, %s bytes)",
-            self.what,
-            size,
-            "fits" if fits else "does not fit",
-            decided_by,
-            f"{total:,}" if total is not None else "?",
-        )
+        log.info("%s", trial.describe(self.what, self.capacity()))
         return trial

@@ -40,6 +40,9 @@ __all__ = [
     "Params",
     "PerExampleLoss",
     "TrainState",
+    "call_loss",
+    "check_per_example",
+    "loss_takes_weights",
     "make_micro_step",
     "make_optimizer_step",
     "multi_steps",
@@ -90,8 +93,13 @@ def multi_steps(optimizer: optax.GradientTransformation, k: Any) -> optax.MultiS
     return optax.MultiSteps(optimizer, every_k_schedule=lambda _: k, use_grad_mean=False)
 
 
-def _takes_weights(loss_fn: Callable[..., Any]) -> bool:
-    """Whether ``loss_fn`` declares a keyword parameter ``weights`` (see `_call_loss`)."""
+def loss_takes_weights(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` declares a keyword parameter ``weights`` (see `call_loss`).
+
+    Example:
+        >>> loss_takes_weights(lambda p, b, r, *, weights: b), loss_takes_weights(max)
+        (True, False)
+    """
     try:
         parameter = inspect.signature(loss_fn).parameters.get("weights")
     except (TypeError, ValueError):  # a callable without a signature takes none
@@ -100,14 +108,18 @@ def _takes_weights(loss_fn: Callable[..., Any]) -> bool:
     return parameter is not None and parameter.kind in keyword
 
 
-def _call_loss(
+def call_loss(
     loss_fn, has_aux: bool, has_state: bool, params, model_state, batch, rng, weights=None
 ):
     """Calls the user's loss in any of its forms; returns (losses, aux, new_model_state).
 
     ``weights`` (the micro-batch's per-example weights, 0 for padding) goes to the loss
-    as the keyword ``weights`` when given: pass it only to a loss that `_takes_weights`
+    as the keyword ``weights`` when given: pass it only to a loss that `loss_takes_weights`
     (ghost batches use it to keep padding out of BatchNorm's running averages).
+
+    Example:
+        >>> call_loss(lambda p, b, r: (b * p, {"n": b}), True, False, 2.0, (), 3.0, None)
+        (6.0, {'n': 3.0}, ())
     """
     kwargs = {} if weights is None else {"weights": weights}
     out = (
@@ -134,7 +146,14 @@ def _call_loss(
     return out, aux, new_model_state
 
 
-def _check_per_example(name: str, value: Any, m: int) -> None:
+def check_per_example(name: str, value: Any, m: int) -> None:
+    """Raises a one-line error unless ``value`` is ``m`` floating-point values, one per example.
+
+    Example:
+        >>> check_per_example("loss", jnp.ones(3), 4)
+        Traceback (most recent call last):
+        ValueError: loss must be per-example, of shape (4,) for a micro-batch of 4; ...
+    """
     shape = getattr(value, "shape", None)
     if shape != (m,):
         raise ValueError(
@@ -176,13 +195,13 @@ def weighted_sums(
         (1.0, 1.0)
     """
     m = weights.shape[0]
-    losses, aux, new_state = _call_loss(
+    losses, aux, new_state = call_loss(
         loss_fn, has_aux, has_state, params, model_state, batch, key,
         weights if takes_weights else None,
     )  # fmt: skip
-    _check_per_example("loss_fn's losses", losses, m)
+    check_per_example("loss_fn's losses", losses, m)
     for name, value in aux.items():
-        _check_per_example(f"aux[{name!r}]", value, m)
+        check_per_example(f"aux[{name!r}]", value, m)
     # where, not a product alone: a padding row's inf or NaN must not leak.
     weighted = {
         name: jnp.where(weights != 0, weights * v, 0) for name, v in {"loss": losses, **aux}.items()
@@ -235,7 +254,7 @@ def make_micro_step(
         >>> float(acc["w"]), int(mini), float(totals["loss"])  # d/dw sum((w-0)^2)/4 over 2
         (1.0, 1, 2.0)
     """
-    takes_weights = _takes_weights(loss_fn)  # once, not at every trace
+    takes_weights = loss_takes_weights(loss_fn)  # once, not at every trace
 
     def micro_step(
         params, opt_state, acc_grads, model_state, totals, batch, weights, rng, offset, k,

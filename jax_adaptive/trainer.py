@@ -1,9 +1,12 @@
-"""AdaptiveTrainer: a thin facade over the executables, the planner and the update.
+"""AdaptiveTrainer: a thin facade over the sizing engine, the programs, the plan, the update.
 
-* `jax_adaptive.executables` compiles and measures the micro-step per size and the
-  optimizer step (XLA's memory analysis, completed into a ledger of everything live);
-* `jax_adaptive.planner` decides the micro-batch size (the plan cache, the search, the
-  capacity, shrinking after an out-of-memory, growing back);
+* `jax_adaptive.sizing` decides which micro-batch sizes fit (the capacity, the ledger
+  of each size from XLA's memory analysis, the plan cache, the search, what a real
+  out-of-memory teaches);
+* `jax_adaptive.executables` lowers the micro-step per size (the engine's program), its
+  chunks, the update's last program and the optimizer step;
+* `jax_adaptive.planner` says which size to run (fixed, cached, searched, trimmed,
+  shrunk, grown back, followed through a batch-size schedule);
 * `jax_adaptive.update` runs one exact update (bounded dispatch, host saves, recovery).
 
 The trainer validates its arguments, places the state, wires the three together and
@@ -22,15 +25,16 @@ import optax
 
 from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
-from jax_adaptive.distributed import Placement, place
+from jax_adaptive.distributed import Placement, place, process_min
 from jax_adaptive.evaluate import Evaluator, MetricFn
-from jax_adaptive.executables import Executables, FaultHook
+from jax_adaptive.executables import Executables
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import Ledger, MemoryModel
 from jax_adaptive.plan import Objective, Plan, SizeTrial
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.schedule import BatchSchedule, ScheduleSpec
+from jax_adaptive.sizing import FaultHook, Sizing
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
 from jax_adaptive.update import Updater
 
@@ -188,20 +192,22 @@ class AdaptiveTrainer:
             micro_batch_size, multiple_of if constant else 1,
             T if constant else checks.MAX_TARGET_BATCH_SIZE, self.shards,
         )  # fmt: skip
+        self._sizing = Sizing(
+            "micro-step of", memory_limit=memory_limit, headroom=headroom,
+            device=self.placement.device, plan_cache=PlanCache.from_arg(plan_cache),
+            oom_retries=oom_retries, agree=process_min,
+        )  # fmt: skip
         self._executables = Executables(
-            checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, T,
+            checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, self._sizing,
             has_aux=has_aux, has_state=has_state,
             everywhere=self.placement.everywhere, data=self.placement.data,
-            in_flight=checks.positive_int("in_flight", in_flight),
+            in_flight=checks.positive_int("in_flight", in_flight), key=self._plan_key,
+            fingerprint_at=lambda: self._planner.fingerprint_size(),
+            memory_prior=memory_prior,
         )  # fmt: skip
         self._planner = Planner(
-            self._executables, target_batch_size=T, fixed=fixed,
-            memory_limit=checks.check_limit(memory_limit),
-            headroom=checks.check_fraction("headroom", headroom), grow=checks.check_grow(grow),
-            oom_retries=checks.non_negative_int("oom_retries", oom_retries),
-            multiple_of=multiple_of,
-            shards=self.shards, plan_cache=PlanCache.from_arg(plan_cache), objective=objective,
-            chunk=chunk, device=self.placement.device, memory_prior=memory_prior,
+            self._executables, target_batch_size=T, fixed=fixed, grow=grow,
+            multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
         )  # fmt: skip
         self._updater = Updater(self._planner, self.placement, in_flight)
         self._has_state = has_state
@@ -255,7 +261,7 @@ class AdaptiveTrainer:
     @property
     def compiles(self) -> int:
         """How many times the micro-step has been compiled (once per size measured)."""
-        return self._executables.compiles
+        return self._sizing.compiles
 
     @property
     def search_log(self) -> list[SizeTrial]:
@@ -290,17 +296,17 @@ class AdaptiveTrainer:
     @property
     def memory_limit(self) -> int | None:
         """The simulated device's bytes (`set_memory_limit` changes it)."""
-        return self._planner.memory_limit
+        return self._sizing.memory_limit
 
     @property
     def headroom(self) -> float:
         """The share of a device's real capacity left unused."""
-        return self._planner.headroom
+        return self._sizing.headroom
 
     @property
     def plan_cache(self) -> PlanCache | None:
         """Where plans are remembered, or None."""
-        return self._planner.plan_cache
+        return self._sizing.plan_cache
 
     @property
     def mesh(self) -> jax.sharding.Mesh | None:
@@ -320,11 +326,11 @@ class AdaptiveTrainer:
     @property
     def fault_hook(self) -> FaultHook | None:
         """Called before each compile and micro-step; see `jax_adaptive.testing`."""
-        return self._executables.fault_hook
+        return self._sizing.fault_hook
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
-        self._executables.fault_hook = hook
+        self._sizing.fault_hook = hook
 
     # ----------------------------------------------------------------- public API
 
@@ -422,9 +428,9 @@ class AdaptiveTrainer:
             >>> ja.estimate_peak_bytes(trainer.compile(3)) > 0
             True
         """
-        self._sync_target()
+        self._checked_program(size, chunk)
         if with_optimizer_step:
-            return self._executables.final(size, chunk).compiled
+            return self._executables.final(size, chunk, self.target_batch_size).compiled
         return self._executables.micro(size, chunk).compiled
 
     def ledger(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Ledger:
@@ -445,10 +451,10 @@ class AdaptiveTrainer:
             >>> ledger.total == ledger.state + ledger.in_flight + ledger.program
             True
         """
-        self._sync_target()
+        self._checked_program(size, chunk)
         if with_optimizer_step:
-            return self._executables.final_ledger(size, chunk)
-        return self._planner.ledger(size, chunk)
+            return self._executables.final_ledger(size, chunk, self.target_batch_size)
+        return self._executables.ledger(size, chunk)
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU without a limit).
@@ -749,6 +755,23 @@ class AdaptiveTrainer:
         """Plans for the next update's target batch size, which a schedule moves."""
         if self._planner.size is not None:
             self._planner.set_target(self.target_batch_size)
+
+    def _plan_key(self) -> dict[str, Any]:
+        """What besides the programs decides the plan (the plan cache's key)."""
+        return self._planner.key_parts()
+
+    def _checked_program(self, size: int, chunk: int) -> None:
+        """Plans for the next update's target and checks a program's size and chunk."""
+        self._require_init()
+        self._sync_target()
+        T = self.target_batch_size
+        size = checks.positive_int("size", size)
+        if size > T:
+            raise ValueError(f"{size=} must be in [1, target_batch_size={T}].")
+        if checks.positive_int("chunk", chunk) * size > T + size - 1:
+            raise ValueError(
+                f"a chunk of {chunk} micro-steps of {size} covers more than target_batch_size={T}."
+            )
 
     def _require_init(self) -> None:
         if self._planner.size is None:

@@ -130,12 +130,9 @@ class Updater:
         if in_flight < 1:
             raise ValueError(f"{in_flight=} must be at least 1.")
         self.planner, self.executables = planner, planner.executables
+        self.chunking, self.sizing = planner.chunking, planner.sizing
         self.placement, self.in_flight = placement, in_flight
         self.host_bytes = 0
-        self._ran: set[tuple[int, int, bool]] = set()  # (size, chunk, fused) that completed one
-        self._optimizer_ran: set[bool] = set()
-        self._generation = -1  # the executables' binding the fields above are about
-        self._zero_totals: Any = None  # device zeros, never donated: every update starts from them
         self._ints: dict[int, jax.Array] = {}  # device int32 scalars the programs take
 
     @property
@@ -150,11 +147,6 @@ class Updater:
         that size at run time, so a schedule's new size compiles nothing for the sizes
         already compiled.
         """
-        if self._generation != self.executables.generation:  # another shape: none ran yet
-            self._generation = self.executables.generation
-            self._ran.clear()
-            self._optimizer_ran.clear()
-            self._zero_totals = zeros(self.executables.totals_struct)
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
         progress = self._fresh(state)
@@ -168,8 +160,8 @@ class Updater:
                 if not is_oom(exc):
                     raise
                 finishing, progress.finishing = progress.finishing, False
-                if self.planner.chunk > 1 or finishing:
-                    self.planner.unchunk()  # the extra of a chunk or the optimizer step's
+                if self.chunking.chunk(size, self.T) > 1 or finishing:
+                    self.chunking.unchunk(size)  # the extra of a chunk or the optimizer step's
                 elif self.planner.fixed is not None:
                     raise
                 else:
@@ -194,12 +186,13 @@ class Updater:
             acc = zeros(ex.acc_struct)
         elif _is_deleted(acc):  # donated to a micro-step that failed
             acc = zeros(ex.acc_struct)
-        return _Progress(acc, state.opt_state.mini_step, state.model_state, self._zero_totals)
+        zero_totals = ex.zero_totals()  # never donated: every update starts from them
+        return _Progress(acc, state.opt_state.mini_step, state.model_state, zero_totals)
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
-        They run a chunk at a time (``planner.chunk`` micro-steps in one program), the
+        They run a chunk at a time (``chunking.chunk`` micro-steps in one program), the
         update's last ones one at a time when fewer than a chunk remain; the last
         program runs the optimizer step too when the planner fused them
         (`jax_adaptive.chunking.Chunking.final`), its results then in ``p.done``. At most
@@ -209,10 +202,12 @@ class Updater:
         first run also wait for each program before the next runs and keep a host copy
         of its result, so a failure costs one program's micro-steps, not the update.
         """
-        self.planner.settle(state)  # the chunk, timed once on a CPU
-        chunk, final, T = self.planner.chunk, self.planner.final, self.T
+        T = self.T
+        self.chunking.settle(state, size, T)  # the chunk, timed once on a CPU
+        chunk, final = self.chunking.chunk(size, T), self.chunking.final(size, T)
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
-        cautious = cautious or (size, chunk, final is not None) not in self._ran
+        ran = (size, chunk, final is not None)
+        cautious = cautious or not self.sizing.has_run(ran)
         remaining = math.ceil((T - p.offset) / size)
         k = self._int(p.steps + remaining + 1)  # never emits: the optimizer step does
         running: collections.deque = collections.deque()  # each program's mini_step
@@ -221,7 +216,7 @@ class Updater:
                 jax.block_until_ready(running.popleft())
             if cautious and p.steps:  # the previous program must fail inside the try
                 agreed(lambda: self._save(p), size)
-                self.planner.ran()
+                self.sizing.ran()
             steps = chunk if math.ceil((T - p.offset) / size) >= chunk else 1
             end = min(p.offset + steps * size, T)
             last = final is not None and end == T and steps == final[0]
@@ -253,8 +248,7 @@ class Updater:
             del examples, weights, args, out  # the transferred examples live while they run only
         if p.done is None:  # a late (asynchronous) failure must surface as the program's
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
-        self.planner.ran()
-        self._ran.add((size, chunk, final is not None))
+        self.sizing.ran(ran)
 
     def _int(self, value: int) -> jax.Array:
         """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""
@@ -296,7 +290,7 @@ class Updater:
         SPMD micro-step reduces inside its run: a process that failed would leave the
         others waiting in it, so they agree before it runs.
         """
-        hook = self.executables.fault_hook
+        hook = self.sizing.fault_hook
 
         def run() -> Any:
             if hook is not None:
@@ -360,14 +354,14 @@ class Updater:
         # A donating call that fails deletes its inputs: keep a host copy for its first
         # run. A call that does not donate loses nothing: no copy.
         snapshot = None
-        if donating and donating not in self._optimizer_ran:  # not the accumulator: reset
+        if donating and not self.sizing.has_run(("optimizer step", donating)):  # acc: reset
             snapshot = host_copy((state.params, state.opt_state._replace(acc_grads=None)))
             self.host_bytes += tree_bytes(snapshot)
         out, error = catch_oom(lambda: jax.block_until_ready(executable.compiled(*inputs)))
         if error is not None:
             raise self._optimizer_failed(state, inputs, snapshot) from error
         params, opt_state, means = out
-        self._optimizer_ran.add(donating)
+        self.sizing.ran(("optimizer step", donating))
         return TrainState(params, opt_state, p.model_state, state.rng), self._metrics(means, p)
 
     def _metrics(self, means: dict[str, Any], p: _Progress) -> dict[str, Any]:

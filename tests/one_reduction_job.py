@@ -124,6 +124,7 @@ def executables_for(loss, params, batch, *, has_aux=False, has_state=False, mode
     import jax_adaptive as ja
     from jax_adaptive.distributed import Placement, place
     from jax_adaptive.executables import Executables
+    from jax_adaptive.sizing import Sizing
     from jax_adaptive.step import TrainState, multi_steps
 
     placement = Placement(mesh=ja.data_mesh()) if jax.device_count() > 1 else Placement()
@@ -133,7 +134,8 @@ def executables_for(loss, params, batch, *, has_aux=False, has_state=False, mode
     executables = Executables(
         loss,
         OPTIMIZER,
-        T,
+        Sizing("micro-step of"),
+        key=dict,
         has_aux=has_aux,
         has_state=has_state,
         everywhere=placement.everywhere,
@@ -159,7 +161,7 @@ def counts(params, batch):
         "chunk": collectives(chunk),
         "optimizer": optimizer,
         # an update's last program: its micro-steps and the optimizer step
-        "final": {str(c): collectives(ex.final(SIZE, c).compiled) for c in (1, 5)},
+        "final": {str(c): collectives(ex.final(SIZE, c, T).compiled) for c in (1, 5)},
         "micro_steps_per_update": -(-T // SIZE),
         "stateful_per_device": getattr(stateful, "per_device", False),
         "stateful_micro": collectives(stateful.micro(SIZE).compiled),

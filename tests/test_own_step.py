@@ -212,6 +212,32 @@ def test_the_plan_cache_skips_the_search(tmp_path, brute_force):
     _close(state[0], _reference([_batch()]))
 
 
+def _sized_batch(n, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(n, 8)).astype(np.float32),
+        "y": rng.integers(0, 4, size=n).astype(np.int32),
+    }
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_alternating_shapes_compile_each_shape_once(brute_force, limited):
+    """An epoch's last partial batch, or two batch sizes interleaved: a plan per shape."""
+    shapes = [T, 10] * 4  # 16, 10, 16, 10, ...
+    step = ja.AdaptiveStep(
+        _build, memory_limit=brute_force[7] if limited else None, plan_cache=False
+    )
+    state, compiles = _state(), []
+    for i, n in enumerate(shapes):
+        state, _ = step(state, _sized_batch(n, i))
+        compiles.append(step.compiles)
+    if not limited:  # no capacity on a CPU: the whole batch, one compile per shape
+        assert compiles == [1, 2, 2, 2, 2, 2, 2, 2]
+    assert compiles[2:] == [compiles[1]] * 6  # the shapes' second visits compile nothing
+    assert step.search_log[-1].reason == "init"  # nothing searched after the first visits
+    _close(state[0], _reference([_sized_batch(n, i) for i, n in enumerate(shapes)]))
+
+
 _EXAMPLE = Path(__file__).parents[1] / "examples" / "own_loop.py"
 _spec = importlib.util.spec_from_file_location("own_loop", _EXAMPLE)
 example = importlib.util.module_from_spec(_spec)

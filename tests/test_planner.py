@@ -7,6 +7,7 @@ from helpers import mlp_loss, mlp_params, regression_batches
 from jax_adaptive.distributed import Placement
 from jax_adaptive.executables import Executables
 from jax_adaptive.planner import Planner
+from jax_adaptive.sizing import Sizing
 from jax_adaptive.step import TrainState, multi_steps
 
 T = 12
@@ -29,14 +30,15 @@ def test_the_capacity_leaves_out_headroom_and_what_other_arrays_hold():
     params = mlp_params()
     state = TrainState(params, multi_steps(optimizer, 1).init(params), (), jax.random.key(0))
     state = jax.device_put(state)
-    executables = Executables(
-        mlp_loss, optimizer, T, everywhere=Placement().everywhere, in_flight=1
-    )
-    executables.bind(state, regression_batches(1, T)[0])
     own = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     others = 7_000_000  # another model a user keeps on the same device
     device = ReportingDevice(limit=10**9, in_use=own + others)
-    planner = Planner(executables, target_batch_size=T, headroom=0.05, device=device)
+    sizing = Sizing("micro-step of", headroom=0.05, device=device)
+    executables = Executables(
+        mlp_loss, optimizer, sizing, everywhere=Placement().everywhere, in_flight=1, key=dict
+    )
+    executables.bind(state, regression_batches(1, T)[0])
+    planner = Planner(executables, target_batch_size=T)
     planner.plan_for(state)
     assert planner.capacity() == int(10**9 * 0.95) - others
     assert planner.plan.micro_batch_size == T  # a small model: the whole batch fits
