@@ -45,7 +45,7 @@ from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, SizeTrial, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import FaultHook, Sized, Sizing
+from jax_adaptive.sizing import Binding, FaultHook, Sized, Sizing
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
 
@@ -164,6 +164,7 @@ class AdaptiveStep:
             oom_retries=oom_retries,
         )
         self.host_bytes = 0
+        self._program: Binding | None = None  # the engine's binding for the shapes in use
         self._signature: Hashable = None
         self._batch_size = 0
         self._replan = False
@@ -173,22 +174,22 @@ class AdaptiveStep:
     @property
     def micro_batch_size(self) -> int:
         """The size in use (for the arguments' shapes of the last call)."""
-        if self._signature is None or self.sizing.bound.size is None:
+        if self._program is None or self._program.size is None:
             raise RuntimeError("call step(*args) or step.plan(*args) first.")
-        return self.sizing.bound.size
+        return self._program.size
 
     @property
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` in use (``accumulation_steps``: micro-batches per step)."""
-        size, b = self.micro_batch_size, self.sizing.bound
+        size, program = self.micro_batch_size, self._program
         return Plan(
             size,
             math.ceil(self._batch_size / size),
-            self.sizing.ledger(size) if self.sizing.peak(size) is not None else None,
+            program.ledger(size) if program.peak(size) is not None else None,
             self.capacity(),
             1,
-            b.largest,
-            source=None if b.largest is None else "searched",
+            program.largest,
+            source=None if program.largest is None else "searched",
         )
 
     @property
@@ -209,12 +210,13 @@ class AdaptiveStep:
     @property
     def memory_model(self) -> MemoryModel:
         """The `jax_adaptive.memory.MemoryModel` of the sizes measured for the shapes in use."""
-        return self.sizing.memory_model
+        self._require_bound()
+        return self._program.memory_model
 
     @property
     def largest(self) -> int | None:
         """The largest size found to fit for the shapes in use (None: not searched)."""
-        return self.sizing.bound.largest
+        return None if self._program is None else self._program.largest
 
     @property
     def memory_limit(self) -> int | None:
@@ -252,7 +254,7 @@ class AdaptiveStep:
     def compile(self, size: int) -> Any:
         """The compiled step for ``size`` (compiled once; sizes not in use are released)."""
         self._require_bound()
-        return self.sizing.executable(size).compiled
+        return self._program.executable(size).compiled
 
     def ledger(self, size: int) -> Ledger:
         """Everything live on the device while the step of ``size`` runs.
@@ -262,14 +264,14 @@ class AdaptiveStep:
         step's temporaries and code (XLA's memory analysis, compiled once per size).
         """
         self._require_bound()
-        return self.sizing.ledger(size)
+        return self._program.ledger(size)
 
     def check(self, size: int) -> None:
         """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
-        self.sizing.check(size)
+        self._program.check(size)
 
     def _require_bound(self) -> None:
-        if self._signature is None:
+        if self._program is None:
             raise RuntimeError("call step(*args) or step.plan(*args) first.")
 
     # ------------------------------------------------------------ planning
@@ -296,10 +298,11 @@ class AdaptiveStep:
                 )
             self._batch_size = leading_size(args[self.batch_argnum])
             self._signature = signature
-            if self.sizing.bind(signature, lambda: self._sized(args, signature)):
+            self._program = self.sizing.bind(signature, lambda: self._sized(args, signature))
+            if self._program.size is None:  # a new shape: planned once, kept
                 own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
                 self.sizing.measure_others(own)
-                size = self.sizing.cached(self._batch_size, "init")
+                size = self._program.cached(self._batch_size, "init")
                 self._use(size if size is not None else self._largest(self._batch_size, "init"))
         if self._replan:
             self._replan = False
@@ -336,14 +339,14 @@ class AdaptiveStep:
     def _largest(self, hi: int, reason: str) -> int:
         """The size to run: the largest in ``[multiple_of, hi]`` that fits, trimmed."""
         lo = self.multiple_of
-        largest = self.sizing.largest(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
+        largest = self._program.largest_fitting(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
         if self.objective == "least_padding":
             return least_padding_size(self._batch_size, largest, lo)
         return largest
 
     def _use(self, size: int) -> None:
-        self.sizing.use(size)
-        self.sizing.store(size, batch_size=self._batch_size)
+        self._program.use(size)
+        self._program.store(size, batch_size=self._batch_size)
 
     # ------------------------------------------------------------ the guarded call
 
@@ -360,14 +363,14 @@ class AdaptiveStep:
                 arguments (see ``host_backup``).
         """
         self._plan(args)
-        self.sizing.start()
+        self._program.start()
         while True:
             size = self.micro_batch_size
-            cautious = not self.sizing.has_run(size) or self.host_backup == "every_call"
+            cautious = not self._program.has_run(size) or self.host_backup == "every_call"
             saved: dict[int, tuple[np.ndarray, Any]] | None = {} if cautious else None
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
-                self.sizing.ran(size)
+                self._program.ran(size)
                 return out
             args = self._restore(args, saved)
             del out, saved  # what the failed attempt held goes before the retry
@@ -380,7 +383,7 @@ class AdaptiveStep:
     def _shrink(self, error: BaseException, size: int) -> int:
         """The size to run the same arguments at after ``size`` ran out of memory."""
         lo = self.multiple_of
-        largest = self.sizing.shrink(error, size, reason="call", multiple_of=lo, least=lo)
+        largest = self._program.shrink(error, size, reason="call", multiple_of=lo, least=lo)
         if self.objective == "least_padding":
             return least_padding_size(self._batch_size, largest, lo)
         return largest

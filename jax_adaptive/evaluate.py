@@ -44,7 +44,7 @@ from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import SizeTrial, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import FaultHook, Sized, Sizing
+from jax_adaptive.sizing import Binding, FaultHook, Sized, Sizing
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]
 
@@ -226,6 +226,7 @@ class Evaluator:
         self.batch_size: int | None = None
         self.largest: int | None = None
         self._mode: _Mode = "evaluate"
+        self._program: Binding | None = None  # the engine's binding of the last run
 
     @property
     def search_log(self) -> list[SizeTrial]:
@@ -343,13 +344,13 @@ class Evaluator:
         total = examples.buffered if examples.exhausted else None
         with tqdm(total=total, disable=not self.progress, unit="example", leave=False) as bar:
             while (piece := examples.take(size)) is not None:
-                self.sizing.start()
+                self._program.start()
                 out, error = catch_oom(lambda p=piece, s=size: self._execute(s, params, p))
                 if error is not None:
-                    largest = self.sizing.shrink(error, size, reason=mode)
+                    largest = self._program.shrink(error, size, reason=mode)
                     size = self._take(self._planned(hi, largest), examples)
                     continue
-                self.sizing.ran(size)
+                self._program.ran(size)
                 real = int(piece.mask.sum())
                 examples.advance(real)
                 count += real
@@ -364,8 +365,8 @@ class Evaluator:
 
     def _execute(self, size: int, params: Any, piece: MicroBatch) -> Any:
         """Runs one batch and brings its outputs to the host; an out-of-memory raises here."""
-        compiled = self.sizing.executable(size).compiled
-        self.sizing.check(size)
+        compiled = self._program.executable(size).compiled
+        self._program.check(size)
         if self.fault_hook is not None:
             self.fault_hook.before_execution(size, ())
         out = compiled(params, piece.batch, piece.mask)
@@ -383,7 +384,9 @@ class Evaluator:
         signature = (mode, jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
         signature += (resident_bytes,)
         self._mode = mode
-        self.sizing.bind(signature, lambda: self._sized(mode, *structs, resident_bytes))
+        self._program = self.sizing.bind(
+            signature, lambda: self._sized(mode, *structs, resident_bytes)
+        )
         self._hi, self._resident_bytes = hi, resident_bytes
 
     def _sized(self, mode: _Mode, params: Any, example: Any, resident_bytes: int) -> Sized:
@@ -454,25 +457,27 @@ class Evaluator:
         """
         if self.batch_size is None:
             raise RuntimeError("run evaluate or predict on a dataset first.")
-        return self.sizing.ledger(size)
+        return self._program.ledger(size)
 
     # ------------------------------------------------------------ the plan
 
     def _plan(self, hi: int) -> int:
         """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
-        plans, limit = self.sizing.bound.plans, self.memory_limit
+        plans, limit = self._program.plans, self.memory_limit
         if (hi, limit) in plans:
             return plans[hi, limit]
         self.sizing.measure_others(self._resident_bytes)
-        largest = self.sizing.cached(hi, self._mode)
+        largest = self._program.cached(hi, self._mode)
         if largest is None:
-            largest = self.sizing.largest(hi=hi, reason=self._mode, multiple_of=self.multiple_of)
+            largest = self._program.largest_fitting(
+                hi=hi, reason=self._mode, multiple_of=self.multiple_of
+            )
         return self._planned(hi, largest)
 
     def _planned(self, hi: int, largest: int) -> int:
         """Keeps ``largest`` as the plan under ``hi`` and the limit, here and in the plan cache."""
-        self.sizing.bound.plans[hi, self.memory_limit] = self.largest = largest
-        self.sizing.store(largest)
+        self._program.plans[hi, self.memory_limit] = self.largest = largest
+        self._program.store(largest)
         return largest
 
     def _take(self, largest: int, examples: _Examples) -> int:
@@ -480,7 +485,7 @@ class Evaluator:
         size = largest
         if examples.exhausted:
             size = least_padding_size(examples.buffered, largest, self.multiple_of)
-        self.sizing.use(size)
+        self._program.use(size)
         self.batch_size = size
         return size
 

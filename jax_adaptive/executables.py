@@ -108,8 +108,8 @@ class Executables:
     Args:
         loss_fn: the per-example loss (see `jax_adaptive.AdaptiveTrainer`).
         optimizer: the inner optax optimizer.
-        sizing: the engine that compiles and measures the micro-step per size (one
-            binding per input signature: `bind` binds it).
+        sizing: the engine that compiles and measures the micro-step per size (`bind`
+            binds it to the shape: ``program``, a `jax_adaptive.sizing.Binding`).
         has_aux: ``loss_fn`` returns ``(losses, aux)``.
         has_state: ``loss_fn`` threads mutable model state.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
@@ -232,7 +232,7 @@ class Executables:
         self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
         self._zero_totals: Any = None
         signature = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
-        self.sizing.bind(signature, self._sized)
+        self.program = self.sizing.bind(signature, self._sized)
         return True
 
     def _sized(self) -> Sized:
@@ -349,7 +349,7 @@ class Executables:
     def micro(self, size: int, chunk: int = 1) -> Executable:
         """The compiled program for ``chunk`` micro-steps of ``size``, compiled once in use."""
         if chunk == 1:
-            return self.sizing.executable(size)
+            return self.program.executable(size)
         key = size, chunk
         if key not in self._compiled:
             lowered = self.lower(*key)
@@ -369,7 +369,7 @@ class Executables:
         temporaries (a runtime may allocate them at dispatch).
         """
         if chunk == 1:
-            return self.sizing.ledger(size)
+            return self.program.ledger(size)
         return self._ledger_of(size, chunk, whole=False, final=False)
 
     def _ledger_of(self, size: int, chunk: int, whole: bool, final: bool) -> Ledger:
@@ -421,7 +421,7 @@ class Executables:
 
     def compiled_sizes(self) -> list[int]:
         """The sizes whose compiled program (of any chunk) is held now."""
-        return sorted(set(self.sizing.compiled_sizes()) | {size for size, _ in self._compiled})
+        return sorted(set(self.program.compiled_sizes()) | {size for size, _ in self._compiled})
 
     # ------------------------------------------------------------ the optimizer step
 

@@ -29,7 +29,7 @@ from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oo
 from jax_adaptive.executables import Executables
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Objective, Plan, SizeTrial, least_padding_size
-from jax_adaptive.sizing import Executable
+from jax_adaptive.sizing import Binding, Executable
 from jax_adaptive.step import TrainState
 
 __all__ = ["GrowPolicy", "Planner"]
@@ -90,7 +90,7 @@ class Planner:
         # XLA:CPU's slow loops: a chunk is timed there, by one process (`Chunking.settle`)
         self.chunking = Chunking(
             executables,
-            capacity=self.sizing.guide_capacity,
+            capacity=lambda: self.program.guide_capacity(),
             limit=checks.check_chunk(chunk),
             timed=self.sizing.device.platform == "cpu" and jax.process_count() == 1,
         )
@@ -101,6 +101,11 @@ class Planner:
     # ------------------------------------------------------------ what it holds
 
     @property
+    def program(self) -> Binding:
+        """The engine's binding of the micro-step for the shape in use."""
+        return self.executables.program
+
+    @property
     def search_log(self) -> list[SizeTrial]:
         """Every `jax_adaptive.SizeTrial` the engine decided."""
         return self.sizing.search_log
@@ -108,7 +113,7 @@ class Planner:
     @property
     def memory_model(self) -> MemoryModel:
         """The `jax_adaptive.memory.MemoryModel` of every size measured for the shape in use."""
-        return self.sizing.memory_model
+        return self.program.memory_model
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU with no limit)."""
@@ -130,7 +135,7 @@ class Planner:
     def check(self, size: int, chunk: int = 1) -> None:
         """Raises the simulated out-of-memory when the program's peak exceeds the capacity."""
         if chunk == 1:
-            return self.sizing.check(size)
+            return self.program.check(size)
         capacity, needed = self.capacity(), self.executables.ledger(size, chunk).total
         if capacity is not None and needed > capacity:
             raise SimulatedOutOfMemory(needed, capacity, what=f"chunk of {chunk} x {size}")
@@ -159,7 +164,7 @@ class Planner:
         """The `Plan` in use."""
         if self.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
-        known = self.sizing.peak(self.size) is not None
+        known = self.program.peak(self.size) is not None
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
@@ -199,7 +204,7 @@ class Planner:
             self._use(size, "fixed")
             return self.size
         self.largest, self._open = None, True
-        size = self.sizing.cached(self.target_batch_size, "init")
+        size = self.program.cached(self.target_batch_size, "init")
         if size is not None:
             self._use(size, "plan cache")
             return self.size
@@ -215,7 +220,7 @@ class Planner:
         none fits. The capacity learned from real out-of-memory errors guides the search
         but never makes a run fail: only a real run says a size does not fit.
         """
-        self.largest = self.sizing.largest(
+        self.largest = self.program.largest_fitting(
             hi=hi, reason=reason, lo=lo, multiple_of=self._multiple, least=self.shards
         )
         self._open = self.largest + self._multiple > hi  # nothing above it could be tried
@@ -245,7 +250,7 @@ class Planner:
             return
         known = self.largest if self.largest is not None else self.size
         if T > known and self._open:
-            size = self.sizing.cached(T, "init") if self.largest is None else None
+            size = self.program.cached(T, "init") if self.largest is None else None
             if size is not None:  # a run of the same job stored this target's plan
                 self._use(size, "plan cache")
                 return
@@ -276,8 +281,8 @@ class Planner:
         """Takes ``size`` and its chunk, stores it in the plan cache, frees other sizes."""
         self.size, self.source = size, source
         if self.fixed is None:
-            self.sizing.store(size, target_batch_size=self.target_batch_size)
-        self.sizing.use(size)
+            self.program.store(size, target_batch_size=self.target_batch_size)
+        self.program.use(size)
         self.executables.release(keep={size})
         self.chunking.forget()
 
@@ -294,7 +299,7 @@ class Planner:
         )
         timings = {}
         for size in sorted({largest, *fewest}, reverse=True):
-            capacity = self.sizing.guide_capacity()
+            capacity = self.program.guide_capacity()
             if capacity is not None and ex.ledger(size).total > capacity:
                 continue
             seconds, error = catch_oom(
@@ -313,7 +318,7 @@ class Planner:
 
     def start_update(self) -> None:
         """Called at each update's start: grows back if the policy says so."""
-        self.sizing.start()
+        self.program.start()
         if self.fixed is not None or self.size == self.target_batch_size:
             return
         periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
@@ -324,7 +329,7 @@ class Planner:
         self._limit_raised = False
         self._updates_since_grow = 0
         if periodic:
-            self.sizing.forget_learned()  # memory may have come back: real runs decide
+            self.program.forget_learned()  # memory may have come back: real runs decide
         self.sizing.measure_others(tree_bytes(self.executables.state_structs))
         try:
             self._searched(self.target_batch_size, "grow", lo=self.size)
@@ -352,7 +357,7 @@ class Planner:
 
     def shrink(self, exc: BaseException, size: int) -> int:
         """Plans a smaller size after ``size`` ran out of memory (`Sizing.shrink`)."""
-        largest = self.sizing.shrink(
+        largest = self.program.shrink(
             exc, size, reason="step", multiple_of=self._multiple, least=self.shards
         )
         self.largest, self._open = largest, False  # ``size`` did not fit

@@ -139,23 +139,287 @@ class Sized(NamedTuple):
     fingerprint_at: Callable[[], int] = lambda: 1
 
 
-class _Binding:
-    """What the engine knows of one input signature's program."""
+class Binding:
+    """The engine's knowledge of one input signature's program, and the decisions on it.
 
-    def __init__(self, sized: Sized):
-        self.sized = sized
+    Made by `Sizing.bind`; a client keeps it while its inputs keep their shapes (a
+    signature seen again gets its binding back, with all it learned).
+
+    Attributes:
+        sized: what the client said of the program.
+        memory_model: the `jax_adaptive.memory.MemoryModel` of the sizes measured.
+        size: the size in use (None before `use`).
+        largest: the largest size found to fit (None before a search).
+        plans: the client's own memory of plans, by what decided them.
+        learned_cap: the capacity real out-of-memory errors taught (None: none yet).
+    """
+
+    def __init__(self, engine: Sizing, sized: Sized):
+        self.engine, self.sized = engine, sized
         self.memory_model = MemoryModel(prior=sized.prior)
-        self.ledgers: dict[int, Ledger] = {}
-        self.lowered: dict[int, Any] = {}
-        self.programs: dict[int, Executable] = {}
-        self.fingerprint: str | None = None
-        self.learned_cap: int | None = None  # the capacity real out-of-memory errors taught
-        self.streak = 0  # out-of-memory errors since a run last succeeded
-        self.real_ooms = 0  # real out-of-memory errors since `start`
-        self.ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
-        self.plans: dict[Hashable, int] = {}  # the client's plans, by what decides them
-        self.size: int | None = None  # the size in use
-        self.largest: int | None = None  # the largest size that fits, when searched
+        self.size: int | None = None
+        self.largest: int | None = None
+        self.plans: dict[Hashable, int] = {}
+        self.learned_cap: int | None = None
+        self._ledgers: dict[int, Ledger] = {}
+        self._lowered: dict[int, Any] = {}
+        self._programs: dict[int, Executable] = {}
+        self._fingerprint: str | None = None
+        self._streak = 0  # out-of-memory errors since a run last succeeded
+        self._real_ooms = 0  # real out-of-memory errors since `start`
+        self._ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
+
+    def guide_capacity(self) -> int | None:
+        """The capacity the search aims under: the real one, or the learned one if lower."""
+        caps = (self.engine.capacity(), self.learned_cap)
+        return min([c for c in caps if c is not None], default=None)
+
+    # ------------------------------------------------------------ programs and ledgers
+
+    def lower(self, size: int) -> Any:
+        """Traces the program at ``size`` (once while it is not compiled)."""
+        if size not in self._lowered and size not in self._programs:
+            self._lowered[size] = self.sized.lower(size)
+        return self._lowered.get(size)
+
+    def executable(self, size: int) -> Executable:
+        """The compiled program at ``size``, compiled once while in use."""
+        if size not in self._programs:
+            lowered = self.lower(size)
+            program = compile_measured(lambda: lowered, self.engine.fault_hook, size)
+            self._lowered.pop(size, None)
+            self._programs[size] = program
+            self.engine.compiles += 1
+        return self._programs[size]
+
+    def ledger(self, size: int) -> Ledger:
+        """Everything live on the device while the program at ``size`` runs (measured once)."""
+        if size not in self._ledgers:
+            s = self.sized
+            self._ledgers[size] = program_ledger(
+                self.executable(size).report,
+                resident=s.resident,
+                inputs=s.inputs(size),
+                in_flight=s.in_flight,
+            )
+            self.memory_model.add(size, self._ledgers[size].total)
+        return self._ledgers[size]
+
+    def compiled_sizes(self) -> list[int]:
+        """The sizes whose compiled program is held now."""
+        return sorted(self._programs)
+
+    def peak(self, size: int) -> int | None:
+        """The ledger's total measured for ``size``, or None if it never was."""
+        ledger = self._ledgers.get(size)
+        return None if ledger is None else ledger.total
+
+    def check(self, size: int) -> None:
+        """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
+        capacity, needed = self.engine.capacity(), self.ledger(size).total
+        if capacity is not None and needed > capacity:
+            raise SimulatedOutOfMemory(needed, capacity, what=f"{self.engine.what} {size}")
+
+    def use(self, size: int) -> None:
+        """Runs ``size`` from now on: the programs of other sizes are freed (not their measures)."""
+        self.size = size
+        self._programs = {s: p for s, p in self._programs.items() if s == size}
+        self._lowered = {s: low for s, low in self._lowered.items() if s == size}
+
+    # ------------------------------------------------------------ deciding sizes
+
+    def fits(self, size: int, reason: str) -> bool:
+        """Decides one size: compiles it (once ever), compares its ledger, records the trial.
+
+        A size fails when compiling it runs out of memory, when its ledger exceeds the
+        capacity, or when it lies above the capacity learned from real runs.
+        """
+        start = time.perf_counter()
+        measured = size in self._ledgers
+        if not measured:
+            self.lower(size)  # the user's code traces here: its errors propagate
+        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
+        decided: DecidedBy = "compile" if ledger is None else "cache" if measured else "estimate"
+        if ledger is not None:
+            capacity = self.engine.capacity()
+            if capacity is not None and ledger.total > capacity:
+                error = "above the capacity"
+            elif self.learned_cap is not None and ledger.total > self.learned_cap:
+                decided, error = "learned", "above the capacity learned from real runs"
+        self.engine.record(
+            size, error is None, ledger, time.perf_counter() - start, decided, reason
+        )
+        return error is None
+
+    def largest_fitting(
+        self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1
+    ) -> int:
+        """The largest size in ``[max(lo, least), hi]`` that fits, agreed between processes.
+
+        Multiples of ``multiple_of`` (itself a multiple of ``least``) are preferred;
+        when none fits, multiples of ``least`` below ``multiple_of`` are tried. The
+        result is also kept as ``largest``.
+
+        Raises:
+            NothingFitsError: not even the smallest candidate fits; says the bytes it
+                needs and the bytes available.
+        """
+        lo = max(lo, least)
+        if hi < lo:
+            raise self.nothing_fits(lo, [])
+        capacity = self.guide_capacity()
+        propose = self._propose(capacity) if capacity is not None else None
+        multiple = multiple_of if hi // multiple_of * multiple_of >= lo else least
+
+        def fits(size: int) -> bool:
+            return self.fits(size, reason)
+
+        try:
+            try:
+                found = search_max_size(fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose)
+            except NothingFitsError:
+                if multiple == least or lo >= multiple:
+                    raise
+                found = search_max_size(
+                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
+                )
+        except NothingFitsError as exc:
+            raise self.nothing_fits(exc.smallest, exc.trials) from None
+        self.largest = self.engine.agree(found.size)
+        return self.largest
+
+    def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
+        """The memory model's guesses, leaving out the size off its line."""
+        off = self.sized.off_line
+        if off is None:
+            return self.memory_model.propose(capacity)
+
+        def propose(good: int | None, bad: int | None) -> int | None:
+            points = {s: n for s, n in self.memory_model.points.items() if s != off}
+            return MemoryModel(points, self.memory_model.prior).propose(capacity)(good, bad)
+
+        return propose
+
+    def nothing_fits(self, size: int, trials: list, detail: str | None = None) -> NothingFitsError:
+        """The one error for a size that does not fit, with the bytes it needs."""
+        needed, capacity = self.peak(size), self.guide_capacity()
+        need = "?" if needed is None else f"{needed:,}"
+        have = "fewer" if capacity is None else f"{capacity:,}"
+        what = f"the {self.engine.what} {size}"
+        return NothingFitsError(
+            size,
+            trials,
+            detail=detail or f"{what} needs {need} bytes (estimate) and {have} bytes are available",
+        )
+
+    # ------------------------------------------------------------ the plan cache
+
+    def key(self) -> str:
+        """The plan cache's key: the device, the limits, the program's code, the client's parts."""
+        if self._fingerprint is None:
+            size = self.sized.fingerprint_at()
+            lowered = self.lower(size) or self.sized.lower(size)
+            self._fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        device = self.engine.device
+        return plan_key(
+            platform=device.platform,
+            device_kind=device.device_kind,
+            device_capacity=device_capacity(device),
+            memory_limit=self.engine.memory_limit,
+            headroom=self.engine.headroom,
+            program=self._fingerprint,
+            jax=jax.__version__,
+            **self.sized.key(),
+        )
+
+    def cached(self, bound: int, reason: str) -> int | None:
+        """The size a run of the same job stored (recorded as a trial), or None.
+
+        ``bound``: the largest size that makes sense (an entry above it is ignored).
+        """
+        if self.engine.plan_cache is None:
+            return None
+        start = time.perf_counter()
+        entry = self.engine.plan_cache.plan(self.key(), bound)
+        if entry is None:
+            return None
+        size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
+        self.engine.record(size, True, estimate, time.perf_counter() - start, "plan cache", reason)
+        return size
+
+    def store(self, size: int, **entry: Any) -> None:
+        """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``."""
+        if self.engine.plan_cache is not None:
+            plan = {"micro_batch_size": size, "estimated_bytes": self.peak(size)}
+            self.engine.plan_cache.put(
+                self.key(), {**plan, "capacity": self.engine.capacity(), **entry}
+            )
+
+    # ------------------------------------------------------------ out of memory
+
+    def start(self) -> None:
+        """A new update, call or batch: its first real out-of-memory counts as the first."""
+        self._real_ooms = 0
+
+    def forget_learned(self) -> None:
+        """Drops the capacity real runs taught: memory may have come back."""
+        self.learned_cap = None
+
+    def ran(self, what: Hashable = None) -> None:
+        """A run succeeded: out-of-memory errors are no longer in a row; ``what`` ran."""
+        self._streak = 0
+        if what is not None:
+            self._ran.add(what)
+
+    def has_run(self, what: Hashable) -> bool:
+        """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
+        return what in self._ran
+
+    def failed(self, exc: BaseException, size: int, reason: str) -> bool:
+        """Records that ``size`` ran out of memory; returns whether it was real.
+
+        A real out-of-memory says the ledger was optimistic: the capacity the search
+        aims under becomes the failed size's peak less ``headroom`` the first time since
+        `start`, and half of it each further time (the peak is then no guide).
+        """
+        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
+        peak = self.peak(size)
+        self.engine.record(size, False, peak, 0.0, "run" if real else "estimate", reason)
+        log.warning(
+            "%s %d ran out of memory (%s)", self.engine.what, size, "real" if real else "simulated"
+        )
+        self._streak += 1
+        gc.collect()  # what the failed attempt held only through reference cycles goes now
+        if real and peak is not None:
+            self._real_ooms += 1
+            self.learned_cap = learned_capacity(
+                peak, self.engine.headroom, self._real_ooms == 1, self.learned_cap
+            )
+        return real
+
+    def shrink(
+        self, exc: BaseException, size: int, *, reason: str, multiple_of: int = 1, least: int = 1
+    ) -> int:
+        """The largest size below ``size`` that fits, after ``size`` ran out of memory.
+
+        At the smallest size (``least``), or when nothing below fits, a real
+        out-of-memory is retried at ``least`` up to ``oom_retries`` times in a row (it
+        can pass: fragmentation, another job's peak); past that, or for a simulated
+        one, `NothingFitsError` is raised from ``exc``.
+        """
+        real = self.failed(exc, size, reason)
+        try:
+            if size <= least:
+                raise self.nothing_fits(size, []) from exc
+            return self.largest_fitting(
+                hi=size - 1, reason=f"out of memory at size {size}",
+                multiple_of=multiple_of, least=least,
+            )  # fmt: skip
+        except NothingFitsError:
+            if not real or self._streak > self.engine.oom_retries:
+                raise
+            self.largest = least
+            return least
 
 
 class Sizing:
@@ -185,9 +449,9 @@ class Sizing:
         ...     x = jax.ShapeDtypeStruct((size, 1024), jnp.float32)
         ...     return jax.jit(lambda a: jnp.tanh(a) @ jnp.tanh(a).T).lower(x)
         >>> sizing = Sizing("batch of", memory_limit=200_000)
-        >>> _ = sizing.bind("f", lambda: Sized(lower, 0, lambda n: 4096 * n, dict))
-        >>> largest = sizing.largest(hi=64, reason="example")
-        >>> sizing.ledger(largest).total <= 200_000 < sizing.ledger(largest + 1).total
+        >>> program = sizing.bind("f", lambda: Sized(lower, 0, lambda n: 4096 * n, dict))
+        >>> largest = program.largest_fitting(hi=64, reason="example")
+        >>> program.ledger(largest).total <= 200_000 < program.ledger(largest + 1).total
         True
     """
 
@@ -212,8 +476,7 @@ class Sizing:
         self.search_log: list[SizeTrial] = []
         self.compiles = 0
         self.fault_hook: FaultHook | None = None
-        self._bindings: dict[Hashable, _Binding] = {}
-        self._bound: _Binding | None = None
+        self._bindings: dict[Hashable, Binding] = {}
         self._others = 0  # bytes other live arrays held on the device at the last plan
 
     # ------------------------------------------------------------ capacity
@@ -221,11 +484,6 @@ class Sizing:
     def capacity(self) -> int | None:
         """The bytes a ledger may reach; None when unknown (a CPU with no limit)."""
         return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
-
-    def guide_capacity(self) -> int | None:
-        """The capacity the search aims under: the real one, or the learned one if lower."""
-        caps = (self.capacity(), self.bound.learned_cap)
-        return min([c for c in caps if c is not None], default=None)
 
     def measure_others(self, own: int) -> None:
         """Notes the bytes live on the device now that are not ``own`` (another job's)."""
@@ -238,281 +496,18 @@ class Sizing:
             return old is not None
         return old is not None and memory_limit > old
 
-    def forget_learned(self) -> None:
-        """Drops the capacity real runs taught: memory may have come back."""
-        self.bound.learned_cap = None
-
     # ------------------------------------------------------------ signatures
 
-    def bind(self, signature: Hashable, sized: Callable[[], Sized]) -> bool:
-        """Makes ``signature``'s program the one sized; returns whether it is new.
+    def bind(self, signature: Hashable, sized: Callable[[], Sized]) -> Binding:
+        """The `Binding` of ``signature``'s program: made at its first use, kept after.
 
         A signature seen before keeps what was learned of it (its measures, its plan,
         its compiled program); ``sized()`` is called only for a new one.
         """
         binding = self._bindings.get(signature)
-        new = binding is None
-        if new:
-            binding = self._bindings[signature] = _Binding(sized())
-        self._bound = binding
-        return new
-
-    @property
-    def bound(self) -> _Binding:
-        """The binding in use."""
-        if self._bound is None:
-            raise RuntimeError(f"nothing is bound yet: the {self.what} has no inputs.")
-        return self._bound
-
-    @property
-    def memory_model(self) -> MemoryModel:
-        """The `jax_adaptive.memory.MemoryModel` of the sizes measured for the binding."""
-        return self.bound.memory_model
-
-    # ------------------------------------------------------------ programs and ledgers
-
-    def lower(self, size: int) -> Any:
-        """Traces the program at ``size`` (once while it is not compiled)."""
-        b = self.bound
-        if size not in b.lowered and size not in b.programs:
-            b.lowered[size] = b.sized.lower(size)
-        return b.lowered.get(size)
-
-    def executable(self, size: int) -> Executable:
-        """The compiled program at ``size``, compiled once while in use."""
-        b = self.bound
-        if size not in b.programs:
-            lowered = self.lower(size)
-            program = compile_measured(lambda: lowered, self.fault_hook, size)
-            b.lowered.pop(size, None)
-            b.programs[size] = program
-            self.compiles += 1
-        return b.programs[size]
-
-    def ledger(self, size: int) -> Ledger:
-        """Everything live on the device while the program at ``size`` runs (measured once)."""
-        b = self.bound
-        if size not in b.ledgers:
-            s = b.sized
-            b.ledgers[size] = program_ledger(
-                self.executable(size).report,
-                resident=s.resident,
-                inputs=s.inputs(size),
-                in_flight=s.in_flight,
-            )
-            b.memory_model.add(size, b.ledgers[size].total)
-        return b.ledgers[size]
-
-    def compiled_sizes(self) -> list[int]:
-        """The sizes whose compiled program the binding holds now."""
-        return sorted(self.bound.programs) if self._bound is not None else []
-
-    def peak(self, size: int) -> int | None:
-        """The ledger's total measured for ``size``, or None if it never was."""
-        ledger = self.bound.ledgers.get(size)
-        return None if ledger is None else ledger.total
-
-    def check(self, size: int) -> None:
-        """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
-        capacity, needed = self.capacity(), self.ledger(size).total
-        if capacity is not None and needed > capacity:
-            raise SimulatedOutOfMemory(needed, capacity, what=f"{self.what} {size}")
-
-    def use(self, size: int) -> None:
-        """Runs ``size`` from now on: the programs of other sizes are freed (not their measures)."""
-        b = self.bound
-        b.size = size
-        b.programs = {s: p for s, p in b.programs.items() if s == size}
-        b.lowered = {s: low for s, low in b.lowered.items() if s == size}
-
-    # ------------------------------------------------------------ deciding sizes
-
-    def fits(self, size: int, reason: str) -> bool:
-        """Decides one size: compiles it (once ever), compares its ledger, records the trial.
-
-        A size fails when compiling it runs out of memory, when its ledger exceeds the
-        capacity, or when it lies above the capacity learned from real runs.
-        """
-        start, b = time.perf_counter(), self.bound
-        measured = size in b.ledgers
-        if not measured:
-            self.lower(size)  # the user's code traces here: its errors propagate
-        ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
-        decided: DecidedBy = "compile" if ledger is None else "cache" if measured else "estimate"
-        if ledger is not None:
-            capacity = self.capacity()
-            if capacity is not None and ledger.total > capacity:
-                error = "above the capacity"
-            elif b.learned_cap is not None and ledger.total > b.learned_cap:
-                decided, error = "learned", "above the capacity learned from real runs"
-        self.record(size, error is None, ledger, time.perf_counter() - start, decided, reason)
-        return error is None
-
-    def largest(
-        self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1
-    ) -> int:
-        """The largest size in ``[max(lo, least), hi]`` that fits, agreed between processes.
-
-        Multiples of ``multiple_of`` (itself a multiple of ``least``) are preferred;
-        when none fits, multiples of ``least`` below ``multiple_of`` are tried. The
-        result is the binding's ``largest``.
-
-        Raises:
-            NothingFitsError: not even the smallest candidate fits; says the bytes it
-                needs and the bytes available.
-        """
-        lo = max(lo, least)
-        if hi < lo:
-            raise self.nothing_fits(lo, [])
-        capacity = self.guide_capacity()
-        propose = self._propose(capacity) if capacity is not None else None
-        multiple = multiple_of if hi // multiple_of * multiple_of >= lo else least
-
-        def fits(size: int) -> bool:
-            return self.fits(size, reason)
-
-        try:
-            try:
-                found = search_max_size(fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose)
-            except NothingFitsError:
-                if multiple == least or lo >= multiple:
-                    raise
-                found = search_max_size(
-                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
-                )
-        except NothingFitsError as exc:
-            raise self.nothing_fits(exc.smallest, exc.trials) from None
-        self.bound.largest = self.agree(found.size)
-        return self.bound.largest
-
-    def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
-        """The memory model's guesses, leaving out the size off its line."""
-        b = self.bound
-        off = b.sized.off_line
-        if off is None:
-            return b.memory_model.propose(capacity)
-
-        def propose(good: int | None, bad: int | None) -> int | None:
-            points = {s: n for s, n in b.memory_model.points.items() if s != off}
-            return MemoryModel(points, b.memory_model.prior).propose(capacity)(good, bad)
-
-        return propose
-
-    def nothing_fits(self, size: int, trials: list, detail: str | None = None) -> NothingFitsError:
-        """The one error for a size that does not fit, with the bytes it needs."""
-        needed, capacity = self.peak(size), self.guide_capacity()
-        return NothingFitsError(
-            size,
-            trials,
-            detail=detail
-            or f"the {self.what} {size} needs {f'{needed:,}' if needed is not None else '?'} "
-            f"bytes (estimate) and {f'{capacity:,}' if capacity is not None else 'fewer'} "
-            "bytes are available",
-        )
-
-    # ------------------------------------------------------------ the plan cache
-
-    def key(self) -> str:
-        """The plan cache's key: the device, the limits, the program's code, the client's parts."""
-        b = self.bound
-        if b.fingerprint is None:
-            size = b.sized.fingerprint_at()
-            lowered = self.lower(size) or b.sized.lower(size)
-            b.fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-        device = self.device
-        return plan_key(
-            platform=device.platform,
-            device_kind=device.device_kind,
-            device_capacity=device_capacity(device),
-            memory_limit=self.memory_limit,
-            headroom=self.headroom,
-            program=b.fingerprint,
-            jax=jax.__version__,
-            **b.sized.key(),
-        )
-
-    def cached(self, bound: int, reason: str) -> int | None:
-        """The size a run of the same job stored (recorded as a trial), or None.
-
-        ``bound``: the largest size that makes sense (an entry above it is ignored).
-        """
-        if self.plan_cache is None:
-            return None
-        start = time.perf_counter()
-        entry = self.plan_cache.plan(self.key(), bound)
-        if entry is None:
-            return None
-        size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
-        self.record(size, True, estimate, time.perf_counter() - start, "plan cache", reason)
-        return size
-
-    def store(self, size: int, **entry: Any) -> None:
-        """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``."""
-        if self.plan_cache is not None:
-            plan = {"micro_batch_size": size, "estimated_bytes": self.peak(size)}
-            self.plan_cache.put(self.key(), {**plan, "capacity": self.capacity(), **entry})
-
-    # ------------------------------------------------------------ out of memory
-
-    def start(self) -> None:
-        """A new update, call or batch: its first real out-of-memory counts as the first."""
-        self.bound.real_ooms = 0
-
-    def ran(self, what: Hashable = None) -> None:
-        """A run succeeded: out-of-memory errors are no longer in a row; ``what`` ran."""
-        b = self.bound
-        b.streak = 0
-        if what is not None:
-            b.ran.add(what)
-
-    def has_run(self, what: Hashable) -> bool:
-        """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
-        return what in self.bound.ran
-
-    def failed(self, exc: BaseException, size: int, reason: str) -> bool:
-        """Records that ``size`` ran out of memory; returns whether it was real.
-
-        A real out-of-memory says the ledger was optimistic: the capacity the search
-        aims under becomes the failed size's peak less ``headroom`` the first time since
-        `start`, and half of it each further time (the peak is then no guide).
-        """
-        b = self.bound
-        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
-        peak = self.peak(size)
-        self.record(size, False, peak, 0.0, "run" if real else "estimate", reason)
-        log.warning(
-            "%s %d ran out of memory (%s)", self.what, size, "real" if real else "simulated"
-        )
-        b.streak += 1
-        gc.collect()  # what the failed attempt held only through reference cycles goes now
-        if real and peak is not None:
-            b.real_ooms += 1
-            b.learned_cap = learned_capacity(peak, self.headroom, b.real_ooms == 1, b.learned_cap)
-        return real
-
-    def shrink(
-        self, exc: BaseException, size: int, *, reason: str, multiple_of: int = 1, least: int = 1
-    ) -> int:
-        """The largest size below ``size`` that fits, after ``size`` ran out of memory.
-
-        At the smallest size (``least``), or when nothing below fits, a real
-        out-of-memory is retried at ``least`` up to ``oom_retries`` times in a row (it
-        can pass: fragmentation, another job's peak); past that, or for a simulated
-        one, `NothingFitsError` is raised from ``exc``.
-        """
-        real = self.failed(exc, size, reason)
-        try:
-            if size <= least:
-                raise self.nothing_fits(size, []) from exc
-            return self.largest(
-                hi=size - 1, reason=f"out of memory at size {size}",
-                multiple_of=multiple_of, least=least,
-            )  # fmt: skip
-        except NothingFitsError:
-            if not real or self.bound.streak > self.oom_retries:
-                raise
-            self.bound.largest = least
-            return least
+        if binding is None:
+            binding = self._bindings[signature] = Binding(self, sized())
+        return binding
 
     # ------------------------------------------------------------ the log
 

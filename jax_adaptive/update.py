@@ -207,7 +207,7 @@ class Updater:
         chunk, final = self.chunking.chunk(size, T), self.chunking.final(size, T)
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         ran = (size, chunk, final is not None)
-        cautious = cautious or not self.sizing.has_run(ran)
+        cautious = cautious or not self.planner.program.has_run(ran)
         remaining = math.ceil((T - p.offset) / size)
         k = self._int(p.steps + remaining + 1)  # never emits: the optimizer step does
         running: collections.deque = collections.deque()  # each program's mini_step
@@ -216,7 +216,7 @@ class Updater:
                 jax.block_until_ready(running.popleft())
             if cautious and p.steps:  # the previous program must fail inside the try
                 agreed(lambda: self._save(p), size)
-                self.sizing.ran()
+                self.planner.program.ran()
             steps = chunk if math.ceil((T - p.offset) / size) >= chunk else 1
             end = min(p.offset + steps * size, T)
             last = final is not None and end == T and steps == final[0]
@@ -248,7 +248,7 @@ class Updater:
             del examples, weights, args, out  # the transferred examples live while they run only
         if p.done is None:  # a late (asynchronous) failure must surface as the program's
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
-        self.sizing.ran(ran)
+        self.planner.program.ran(ran)
 
     def _int(self, value: int) -> jax.Array:
         """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""
@@ -354,14 +354,14 @@ class Updater:
         # A donating call that fails deletes its inputs: keep a host copy for its first
         # run. A call that does not donate loses nothing: no copy.
         snapshot = None
-        if donating and not self.sizing.has_run(("optimizer step", donating)):  # acc: reset
+        if donating and not self.planner.program.has_run(("optimizer step", donating)):
             snapshot = host_copy((state.params, state.opt_state._replace(acc_grads=None)))
             self.host_bytes += tree_bytes(snapshot)
         out, error = catch_oom(lambda: jax.block_until_ready(executable.compiled(*inputs)))
         if error is not None:
             raise self._optimizer_failed(state, inputs, snapshot) from error
         params, opt_state, means = out
-        self.sizing.ran(("optimizer step", donating))
+        self.planner.program.ran(("optimizer step", donating))
         return TrainState(params, opt_state, p.model_state, state.rng), self._metrics(means, p)
 
     def _metrics(self, means: dict[str, Any], p: _Progress) -> dict[str, Any]:
