@@ -12,7 +12,7 @@ Which entry point:
 * evaluation and prediction: `Evaluator` (or `AdaptiveTrainer.evaluate`);
 * no code: ``python -m jax_adaptive.train``.
 
-Example:
+Examples:
     >>> import jax_adaptive as ja
     >>> ja.search_max_size(lambda size: size <= 40, hi=100).size
     40

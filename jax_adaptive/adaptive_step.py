@@ -114,7 +114,7 @@ class AdaptiveStep:
             installs one), or None.
         sizing: the `jax_adaptive.sizing.Sizing` engine that decides the sizes.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> import jax_adaptive as ja
         >>> def loss(params, batch, rng):  # per example

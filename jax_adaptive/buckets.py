@@ -60,7 +60,7 @@ Weighting = Literal["token", "example", "none"]
 def pow2_buckets(max_length: int, min_length: int = 16) -> tuple[int, ...]:
     """The default bucket policy: powers of two from ``min_length`` up, then ``max_length``.
 
-    Example:
+    Examples:
         >>> pow2_buckets(100)
         (16, 32, 64, 100)
     """
@@ -98,7 +98,7 @@ def bucket_for(shape: Bucket, buckets: Sequence[Bucket]) -> Bucket:
     Raises:
         ValueError: when no bucket holds it.
 
-    Example:
+    Examples:
         >>> bucket_for(33, (16, 32, 64))
         64
         >>> bucket_for((20, 40), [(32, 32), (64, 64), (32, 64)])
@@ -133,7 +133,7 @@ def pad_to_bucket(
     Fields with fewer dimensions than the bucket has axes (a label) are stacked as they
     are.
 
-    Example:
+    Examples:
         >>> batch = pad_to_bucket([{"tokens": np.arange(3)}, {"tokens": np.arange(1)}], 4)
         >>> batch["tokens"].tolist(), batch["mask"].sum(axis=1).tolist()
         ([[0, 1, 2, 0], [0, 0, 0, 0]], [3, 1])
@@ -220,7 +220,7 @@ def bucket_batches(
         read_ahead: how many examples a background thread may read before they are
             needed (0: the stream is read here, an example when it is needed).
 
-    Example:
+    Examples:
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
         >>> [(b.bucket, len(b.batch["t"])) for b in bucket_batches(stream, {4: 2, 16: 2})]
         [(4, 2), (16, 2)]
@@ -310,7 +310,7 @@ class BucketedTrainer:
         **trainer_kwargs: passed to each bucket's `AdaptiveTrainer` (``memory_limit``,
             ``plan_cache``, ``multiple_of``, ``device``, ``mesh``...).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
         >>> def loss_fn(params, batch, rng):  # summed over each sequence's real tokens
         ...     return jnp.sum(batch["mask"] * (batch["x"] - params) ** 2, axis=1)
@@ -367,7 +367,7 @@ class BucketedTrainer:
     def examples_per_update(self, bucket: Bucket) -> int:
         """Examples in an update of ``bucket``.
 
-        Example:
+        Examples:
             >>> import optax, jax_adaptive as ja
             >>> ja.BucketedTrainer(lambda p, b, r: b["x"].sum(1), optax.sgd(1.0),
             ...     buckets=(64, 128), target_tokens=4096).examples_per_update(128)
@@ -543,7 +543,7 @@ def predict_line(
     Returns:
         The line, or None without points or when the fit does not grow with the size.
 
-    Example:
+    Examples:
         >>> peak = lambda L, m: 1_000 + 10 * L + m * (3 * L + L * L)
         >>> seen = {(L, m): peak(L, m) for L in (16, 32) for m in (2, 5, 9)}
         >>> [round(x) for x in predict_line(seen, 64, capacity=1)]  # a + bL, cL + dL^2

@@ -37,7 +37,7 @@ def _to_saved(state: TrainState) -> dict[str, Any]:
 def state_digest(tree: Any, update: int, position: int) -> str:
     """The SHA-256 of a saved state's arrays (dtype, shape, bytes), its update and position.
 
-    Example:
+    Examples:
         >>> a = state_digest({"w": np.ones(2, np.float32)}, update=1, position=8)
         >>> a == state_digest({"w": np.ones(2, np.float32)}, 1, 8), a == state_digest(
         ...     {"w": np.ones(2, np.float32)}, 1, 16)
@@ -68,7 +68,7 @@ class Checkpoints:
             ``examples_before``), what it gives for the update (a stream that read past
             its updates is not resumed).
 
-    Example:
+    Examples:
         >>> import tempfile, jax, jax.numpy as jnp, optax
         >>> from jax_adaptive.step import multi_steps
         >>> params = {"w": jnp.ones(2)}

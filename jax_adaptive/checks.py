@@ -44,7 +44,7 @@ MAX_TARGET_BATCH_SIZE = 2**31 - 1
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an int (a NumPy one too), not a bool.
 
-    Example:
+    Examples:
         >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
         (True, True, False, False)
     """
@@ -54,7 +54,7 @@ def is_int(value: Any) -> bool:
 def positive_int(name: str, value: Any) -> int:
     """Returns ``value`` as an ``int`` if it is a positive int (not a bool).
 
-    Example:
+    Examples:
         >>> positive_int("in_flight", 2)
         2
         >>> positive_int("in_flight", 0)
@@ -71,7 +71,7 @@ def positive_int(name: str, value: Any) -> int:
 def non_negative_int(name: str, value: Any) -> int:
     """Returns ``value`` as an ``int`` if it is an int (not a bool) of at least 0.
 
-    Example:
+    Examples:
         >>> non_negative_int("oom_retries", -1)
         Traceback (most recent call last):
         ValueError: oom_retries=-1 must be at least 0.
@@ -86,7 +86,7 @@ def non_negative_int(name: str, value: Any) -> int:
 def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
     """Returns ``value`` if it is one of the ``choices`` (strings).
 
-    Example:
+    Examples:
         >>> one_of("objective", "max", ("least_padding", "max"))
         'max'
         >>> one_of("objective", "fast", ("least_padding", "max"))
@@ -102,7 +102,7 @@ def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
 def check_target_batch_size(value: Any) -> int:
     """The target batch size: a positive int below ``2**31`` (the micro-step's int32).
 
-    Example:
+    Examples:
         >>> check_target_batch_size(2**31)
         Traceback (most recent call last):
         ValueError: target_batch_size=2147483648 must be at most 2**31 - 1 ...
@@ -119,7 +119,7 @@ def check_target_batch_size(value: Any) -> int:
 def check_limit(memory_limit: Any) -> int | None:
     """A memory limit: None (no cap) or a positive int of bytes.
 
-    Example:
+    Examples:
         >>> check_limit(None), check_limit(2**20)
         (None, 1048576)
         >>> check_limit(1.5)
@@ -132,7 +132,7 @@ def check_limit(memory_limit: Any) -> int | None:
 def check_fraction(name: str, value: Any) -> float:
     """A share in ``[0, 1)`` (a real number, not a bool nor a string).
 
-    Example:
+    Examples:
         >>> check_fraction("headroom", 0.1)
         0.1
         >>> check_fraction("headroom", "x")
@@ -151,7 +151,7 @@ def check_fraction(name: str, value: Any) -> float:
 def check_grow(grow: Any) -> str | int:
     """The grow policy: ``"never"``, ``"on_limit_change"`` or a positive int (not a bool).
 
-    Example:
+    Examples:
         >>> check_grow(10), check_grow("never")
         (10, 'never')
         >>> check_grow(True)
@@ -171,7 +171,7 @@ def check_grow(grow: Any) -> str | int:
 def check_chunk(chunk: Any) -> int | str:
     """Micro-steps per dispatch: ``"auto"`` or a positive int (not a bool).
 
-    Example:
+    Examples:
         >>> check_chunk("auto"), check_chunk(4)
         ('auto', 4)
         >>> check_chunk(0)
@@ -188,7 +188,7 @@ def check_chunk(chunk: Any) -> int | str:
 def check_device(device: Any) -> jax.Device | None:
     """A ``jax.Device`` or None (a name such as ``"cpu"`` is not a device).
 
-    Example:
+    Examples:
         >>> check_device(None) is None, check_device(jax.devices()[0]) is jax.devices()[0]
         (True, True)
         >>> check_device("cpu")
@@ -206,7 +206,7 @@ def check_device(device: Any) -> jax.Device | None:
 def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> int | None:
     """The fixed micro-batch size (None for ``"auto"``), checked against the others.
 
-    Example:
+    Examples:
         >>> fixed_size("auto", 1, 8, 1) is None, fixed_size(4, 1, 8, 1)
         (True, 4)
         >>> fixed_size(16, 1, 8, 1)
@@ -239,7 +239,7 @@ def refuse_aux_named_loss(
     first (at ``init``), so it costs no trace of its own; output of another form passes
     through untouched for the trainer's own error.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> loss = refuse_aux_named_loss(lambda p, b, r: (b, {"loss": b}), True, False)
         >>> loss(None, jnp.ones(2), None)
@@ -296,7 +296,7 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
         update: with a batch-size schedule, the update the batch is for (its number of
             updates so far), named in the error; None for a constant target.
 
-    Example:
+    Examples:
         >>> example = {"x": jax.ShapeDtypeStruct((3,), np.float32)}
         >>> check_batch({"x": np.zeros((8, 3), np.float32)}, None, example, 8)
         >>> check_batch({"x": np.zeros((8, 3), np.int32)}, None, example, 8)
@@ -342,7 +342,7 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
     Host arrays pass as they are (each micro-step's call transfers its rows); so does
     everything when ``device`` is None (a mesh places its micro-batches itself).
 
-    Example:
+    Examples:
         >>> device = jax.devices()[0]
         >>> moved = on_device({"x": jax.device_put(np.ones(2), device)}, device)
         >>> moved["x"].devices() == {device}
@@ -365,7 +365,7 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
 def check_buckets(buckets: Any) -> tuple[Any, ...]:
     """Bucket lengths or shapes, as a tuple (a string is not one: ``"16"`` is no bucket).
 
-    Example:
+    Examples:
         >>> check_buckets([16, 32]), check_buckets({(8, 8)})
         ((16, 32), ((8, 8),))
         >>> check_buckets("16")

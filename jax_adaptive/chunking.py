@@ -46,7 +46,7 @@ guards against cost several times that (the warning gives the ratio measured).""
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
     """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``.
 
-    Example:
+    Examples:
         >>> from jax_adaptive.memory import Ledger
         >>> _fits(lambda: Ledger(state=6, in_flight=2, program=2), capacity=10)
         True
@@ -68,7 +68,7 @@ class Chunking:
         timed: time a chunk once against its micro-steps one by one (a CPU, one
             process), and run one micro-step per dispatch when it is much slower.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
         >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(0.1),
         ...                              target_batch_size=8, micro_batch_size=2)

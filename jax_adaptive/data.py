@@ -45,7 +45,7 @@ def leading_size(batch: Any, name: str = "batch") -> int:
     Raises:
         ValueError: if the batch has no leaves, a leaf is a scalar, or leaves disagree.
 
-    Example:
+    Examples:
         >>> leading_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
         8
     """
@@ -67,7 +67,7 @@ def leading_size(batch: Any, name: str = "batch") -> int:
 def example_structs(example_batch: Any) -> Any:
     """The shape and dtype of one example of each leaf of a batch.
 
-    Example:
+    Examples:
         >>> example_structs({"x": np.zeros((8, 3), np.float32)})["x"]
         ShapeDtypeStruct(shape=(3,), dtype=float32)
     """
@@ -134,7 +134,7 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
     Yields:
         `MicroBatch` tuples, ``ceil((T - start) / size)`` of them.
 
-    Example:
+    Examples:
         >>> [(mb.batch.tolist(), mb.mask.tolist()) for mb in micro_batches(np.arange(5), 2)]
         [([0, 1], [True, True]), ([2, 3], [True, True]), ([4, 4], [True, False])]
     """
@@ -201,7 +201,7 @@ class Rebatcher:
         consumed: examples this Rebatcher yielded (the stream position, for resuming).
         leftover: examples read from the stream but not yet yielded.
 
-    Example:
+    Examples:
         >>> stream = [{"id": np.arange(0, 3)}, {"id": np.arange(3, 8)}, {"id": np.arange(8, 9)}]
         >>> rebatched = Rebatcher(stream, 4)
         >>> [b["id"].tolist() for b in rebatched], rebatched.leftover, rebatched.consumed
@@ -303,7 +303,7 @@ def synthetic_images(
     Returns:
         ``{"image": float32[N, H, W, C], "label": int32[N]}``.
 
-    Example:
+    Examples:
         >>> data = synthetic_images(4, image_shape=(8, 8, 1))
         >>> data["image"].shape, data["label"].dtype
         ((4, 8, 8, 1), dtype('int32'))
@@ -346,7 +346,7 @@ def synthetic_sequences(
     Yields:
         ``{"tokens": int32[length]}``.
 
-    Example:
+    Examples:
         >>> tokens = next(synthetic_sequences(seed=1))["tokens"]
         >>> steps = np.diff(tokens) % 64  # one step throughout: predictable
         >>> len(set(steps.tolist())), 4 <= len(tokens) <= 256

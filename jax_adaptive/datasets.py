@@ -38,7 +38,7 @@ class Source(Protocol):
 class SyntheticSource:
     """The synthetic images of `jax_adaptive.data.synthetic_images` as a random-access source.
 
-    Example:
+    Examples:
         >>> source = SyntheticSource(100)
         >>> len(source), source[3]["image"].shape
         (100, (16, 16, 3))
@@ -83,7 +83,7 @@ def load_source(
         ValueError: for an unknown dataset name, or TFDS data that is not prepared (or
             prepared as TFRecord, which random access cannot read), saying how to fix it.
 
-    Example:
+    Examples:
         >>> len(load_source("synthetic"))
         8192
     """
@@ -117,7 +117,7 @@ def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -
     Raises:
         ValueError: as `load_source`, when the test split cannot be read.
 
-    Example:
+    Examples:
         >>> held_out, train = load_held_out("synthetic"), load_source("synthetic")
         >>> len(held_out), bool((held_out[0]["image"] != train[0]["image"]).any())
         (1024, True)
@@ -133,7 +133,7 @@ def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -
 def all_examples(source: Source) -> dict[str, np.ndarray]:
     """Every example of a source as one batch (a dict of arrays with a leading example axis).
 
-    Example:
+    Examples:
         >>> all_examples(SyntheticSource(5))["image"].shape
         (5, 16, 16, 3)
     """
@@ -160,7 +160,7 @@ class ShuffledBatches:
         seed: the shuffle seed.
         start: the example index to start at (a resumed run's position).
 
-    Example:
+    Examples:
         >>> batches = ShuffledBatches(SyntheticSource(10), 4, seed=1, start=8)
         >>> batch = next(batches)
         >>> batch["label"].shape, batches.position

@@ -53,7 +53,7 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -
     Returns:
         The ``jax.sharding.Mesh``.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> ja.data_mesh().shape["data"] == jax.device_count()
         True
@@ -78,7 +78,7 @@ def place(tree: Any, where: Any) -> Any:
     Returns:
         The pytree of ``jax.Array``s.
 
-    Example:
+    Examples:
         >>> sharding = NamedSharding(data_mesh(), PartitionSpec("data"))
         >>> x = place({"x": np.ones((jax.device_count(), 3))}, sharding)["x"]
         >>> x.sharding == sharding
@@ -148,7 +148,7 @@ def host_copy(tree: Any) -> Any:
     An array whose every value this process holds becomes a NumPy array (PRNG keys
     stay keys); one split over other processes' devices too becomes `LocalShards`.
 
-    Example:
+    Examples:
         >>> host_copy({"x": jax.numpy.ones(2)})["x"].tolist()
         [1.0, 1.0]
     """
@@ -171,7 +171,7 @@ def _gather(value: int) -> np.ndarray:
 def process_min(value: int) -> int:
     """The smallest ``value`` over all processes (every process must call it).
 
-    Example:
+    Examples:
         >>> process_min(7)  # one process
         7
     """
@@ -183,7 +183,7 @@ def process_min(value: int) -> int:
 def process_any(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (every process must call it).
 
-    Example:
+    Examples:
         >>> process_any(False)  # one process
         False
     """
@@ -203,7 +203,7 @@ def agreed(fn: Callable[[], T], size: int) -> T:
     Under ``jax.distributed`` the process that ran out raises its own error and the
     others `jax_adaptive.errors.PeerOutOfMemory`; with one process this is ``fn()``.
 
-    Example:
+    Examples:
         >>> agreed(lambda: 3, size=8)
         3
     """
@@ -232,7 +232,7 @@ class Placement:
         everywhere: a full copy on every device (the device itself without a mesh).
         data: the micro-batch's split over the data axis (None without a mesh).
 
-    Example:
+    Examples:
         >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
         (1, True)
     """

@@ -116,7 +116,7 @@ class SimulatedOutOfMemory(RuntimeError):
     Its message carries ``RESOURCE_EXHAUSTED`` like XLA's own, so code that tells an
     out-of-memory from other errors treats both alike.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> ja.is_oom(ja.SimulatedOutOfMemory(needed=2_000, available=1_000))
         True
@@ -137,7 +137,7 @@ class HostOutOfMemory(RuntimeError):
     A padded micro-batch is a copy; on a CPU the host's memory is the device's, so
     failing to allocate it is the micro-step's out-of-memory, not the user's error.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> ja.is_oom(HostOutOfMemory(1_000_000))
         True
@@ -156,7 +156,7 @@ class PeerOutOfMemory(RuntimeError):
     Every process raises it (or its own error) at the same micro-step, so that all
     shrink the micro-batch together and none waits in a collective the others skip.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> ja.is_oom(PeerOutOfMemory(size=64))
         True
@@ -185,7 +185,7 @@ def is_oom(exc: BaseException) -> bool:
         the callback's Python traceback), a plain ``RuntimeError`` (which XLA never
         raises) and any text that merely mentions memory.
 
-    Example:
+    Examples:
         >>> import jax, jax_adaptive as ja
         >>> ja.is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes."))
         True
@@ -222,7 +222,7 @@ def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     Any other error propagates unchanged, with its traceback: the one place the rule
     "only out-of-memory is caught" is written.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> def full():
         ...     raise ja.SimulatedOutOfMemory(needed=2, available=1)
@@ -244,7 +244,7 @@ class NothingFitsError(RuntimeError):
         smallest: the smallest candidate, which did not fit.
         trials: the trials made before giving up.
 
-    Example:
+    Examples:
         >>> import jax_adaptive as ja
         >>> try:
         ...     ja.search_max_size(lambda size: False, hi=8)
@@ -273,7 +273,7 @@ class FitError(RuntimeError):
             moved past it (None when no update was in flight: the error came from the
             stream, from ``after_update`` or from ``on_update``).
 
-    Example:
+    Examples:
         >>> from jax_adaptive.loop import fit_loop
         >>> def step(state, batch):
         ...     if batch < 0:
@@ -302,7 +302,7 @@ class OptimizerStepOutOfMemory(RuntimeError):
     The optimizer step needs the same memory whatever the micro-batch size, so shrinking
     cannot help: free device memory, then call ``step(error.state, batch)`` again.
 
-    Example:
+    Examples:
         >>> error = OptimizerStepOutOfMemory(state="the update's start state")
         >>> error.state
         "the update's start state"
@@ -322,7 +322,7 @@ class StateLostError(RuntimeError):
     Raised only where no host copy was kept (a size trusted after it ran once): restore
     the state from a checkpoint.
 
-    Example:
+    Examples:
         >>> issubclass(StateLostError, RuntimeError)
         True
     """

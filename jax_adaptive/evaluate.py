@@ -184,7 +184,7 @@ class Evaluator:
         largest: the largest size found to fit in the last run (None before one).
         sizing: the `jax_adaptive.sizing.Sizing` engine that decides the sizes.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
         >>> metric_fn = lambda w, b: {"error": (b["x"] @ w - b["y"]) ** 2}
         >>> data = {"x": np.ones((10, 3), np.float32), "y": np.arange(10, dtype=np.float32)}
@@ -262,7 +262,7 @@ class Evaluator:
         The smaller of ``memory_limit`` and, where the device says (a GPU), its capacity
         less ``headroom`` less what other live arrays held when the plan was made.
 
-        Example:
+        Examples:
             >>> import jax_adaptive as ja
             >>> ja.Evaluator(lambda p, b: b, memory_limit=10**6).capacity()
             1000000
@@ -291,7 +291,7 @@ class Evaluator:
         Raises:
             NothingFitsError: when even a batch of 1 does not fit.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
             >>> evaluator = ja.Evaluator(lambda p, b: {"hit": b == p}, plan_cache=False)
             >>> stream = [np.array([0, 1, 1]), np.array([1, 2])]  # a stream of 5 examples
@@ -313,7 +313,7 @@ class Evaluator:
         Returns:
             The outputs' pytree, each leaf the NumPy concatenation over all examples.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
             >>> evaluator = ja.Evaluator(lambda w, x: x @ w, max_batch_size=2, plan_cache=False)
             >>> evaluator.predict(jnp.ones(2), np.arange(10.0, dtype=np.float32).reshape(5, 2))
@@ -447,7 +447,7 @@ class Evaluator:
         the batch and its mask with the program's outputs, the program's temporaries
         and code. Each size is compiled and measured once; its measure is kept.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
             >>> evaluator = ja.Evaluator(lambda w, x: {"y": x @ w}, plan_cache=False)
             >>> _ = evaluator.evaluate(jnp.ones(256), np.ones((8, 256), np.float32))

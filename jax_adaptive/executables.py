@@ -143,7 +143,7 @@ class Executables:
         totals_struct: the running totals the micro-steps carry (``[D]`` each when
             `per_device`, else scalars).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
         >>> from jax_adaptive.distributed import Placement
         >>> loss = lambda p, b, r: (b @ p) ** 2

@@ -83,7 +83,7 @@ def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
         ValueError: when ``group_size`` is not positive, or when called with
             ``weights`` on a batch larger than ``group_size`` and not a multiple of it.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> def loss_fn(params, state, batch, rng):  # a running mean of batch means
         ...     mean = jnp.mean(batch["x"])

@@ -94,7 +94,7 @@ def fit_loop(
             optimizer step, too), with the last good state, the history and the batch
             in flight.
 
-    Example:
+    Examples:
         >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
         ...                           0, [1, 2, 3], num_updates=2)
         >>> state, [h["loss"] for h in history]

@@ -51,7 +51,7 @@ def memory_report(compiled: Any) -> dict[str, int]:
         ``argument``, ``output``, ``alias``, ``temp``, ``code`` and, where XLA gives it,
         ``peak`` (``peak_memory_in_bytes``), all in bytes.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> c = jax.jit(jnp.sin).lower(jax.ShapeDtypeStruct((256,), jnp.float32)).compile()
         >>> memory_report(c)["argument"]
@@ -84,7 +84,7 @@ def estimate_peak_bytes(compiled: Any) -> int:
     Returns:
         The estimate in bytes.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> x = jax.ShapeDtypeStruct((1024,), jnp.float32)
         >>> compiled = jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile()
@@ -106,7 +106,7 @@ def tree_bytes(tree: Any) -> int:
     Returns:
         The bytes on the device that holds the most of each leaf.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> tree_bytes({"w": jnp.zeros((4, 8)), "key": jax.random.key(0)})
         136
@@ -131,7 +131,7 @@ class Ledger(NamedTuple):
             transferred, each output not aliased to a donated input).
         program: the running program's temporaries and generated code.
 
-    Example:
+    Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
         >>> ledger.total
         1500
@@ -156,7 +156,7 @@ def program_ledger(
     ``inputs``: what each call transfers; ``in_flight``: calls dispatched at once, each
     holding its inputs, its outputs not aliased to a donated input and its temporaries.
 
-    Example:
+    Examples:
         >>> report = {"argument": 900, "output": 300, "alias": 100, "temp": 50, "code": 7}
         >>> program_ledger(report, resident=1_000, inputs=40, in_flight=2)
         Ledger(state=1000, in_flight=480, program=107)
@@ -180,7 +180,7 @@ def device_capacity(device: jax.Device | None = None) -> int | None:
     Returns:
         The capacity in bytes, or None (a CPU).
 
-    Example:
+    Examples:
         >>> import jax
         >>> device_capacity(jax.devices("cpu")[0]) is None
         True
@@ -194,7 +194,7 @@ def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
     On a GPU this is ``memory_stats()["bytes_in_use"]``: every live array of this
     process, the trainer's and anyone else's.
 
-    Example:
+    Examples:
         >>> import jax
         >>> device_bytes_in_use(jax.devices("cpu")[0]) is None
         True
@@ -211,7 +211,7 @@ def usable_capacity(
     where the device says (a GPU), its capacity less the ``headroom`` fraction less
     ``others``, the bytes other live arrays held when the plan was made.
 
-    Example:
+    Examples:
         >>> import jax
         >>> usable_capacity(10**6, jax.devices("cpu")[0], headroom=0.1)
         1000000
@@ -228,7 +228,7 @@ def usable_capacity(
 def others_bytes(device: jax.Device | None, own: int) -> int:
     """Bytes live on the device that are not ``own`` (another job's, say); 0 where unknown.
 
-    Example:
+    Examples:
         >>> import jax
         >>> others_bytes(jax.devices("cpu")[0], own=1_000)  # a CPU says nothing
         0
@@ -244,7 +244,7 @@ def learned_capacity(peak: int, headroom: float, first: bool, known: int | None 
     peak by ``headroom``; a further one halves the peak (it is then no guide). Never
     above ``known``, a capacity learned before.
 
-    Example:
+    Examples:
         >>> learned_capacity(1000, 0.1, first=True)
         900
         >>> learned_capacity(1000, 0.1, first=False, known=600)
@@ -281,7 +281,7 @@ class MemoryModel:
         points: measured ``{size: peak bytes}``, e.g. estimates of compiled sizes.
         prior: optional predicted ``(intercept, slope)`` in bytes and bytes per size.
 
-    Example:
+    Examples:
         >>> model = MemoryModel({64: 1_000 + 64 * 50, 256: 1_000 + 256 * 50})
         >>> model.largest_within(10_000)  # 1_000 + 180 * 50 == 10_000
         180

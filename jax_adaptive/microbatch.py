@@ -129,7 +129,7 @@ def micro_batch_sum(
         ``(batch, weights=None) -> pytree``: the sum over the batch (``weights`` is one
         per example, 1 by default).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> def clipped_grad_sum(batch, weights, offset):  # per-example gradients, clipped
         ...     grads = jax.vmap(jax.grad(lambda w, x: (w * x) ** 2), (None, 0))(1.0, batch)
@@ -194,7 +194,7 @@ def micro_batch_grad(
         ``(params, batch, rng=None, *, weights=None, model_state=()) -> MicroBatchGrad``;
         ``weights`` (one per example, 1 by default) weights each loss in the sum.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> loss = lambda w, batch, rng: (batch["x"] * w - batch["y"]) ** 2
         >>> batch = {"x": jnp.arange(5.0), "y": jnp.ones(5)}

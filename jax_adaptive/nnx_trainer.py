@@ -41,7 +41,7 @@ class NnxTrainer:
         **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
             ``memory_limit``, ``has_aux``, ...).
 
-    Example:
+    Examples:
         >>> import numpy as np, optax
         >>> from flax import nnx
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
@@ -89,7 +89,7 @@ class NnxTrainer:
     def init(self, example_batch: Batch) -> TrainState:
         """Plans the micro-batch size from the module's current values; returns the state.
 
-        Example:
+        Examples:
             >>> import numpy as np, optax
             >>> from flax import nnx
             >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
@@ -112,7 +112,7 @@ class NnxTrainer:
         Returns:
             The update's metrics (`AdaptiveTrainer.step`).
 
-        Example:
+        Examples:
             >>> import numpy as np, optax
             >>> from flax import nnx
             >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),

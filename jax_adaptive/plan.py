@@ -60,7 +60,7 @@ class SizeTrial(NamedTuple):
     def describe(self, what: str = "micro-step of", capacity: int | None = None) -> str:
         """The trial in one line, as the search logs it.
 
-        Example:
+        Examples:
             >>> trial = SizeTrial(64, True, 2_000_000, 4.1, "estimate", "init")
             >>> trial.describe(capacity=3_000_000)
             'micro-step of 64 fits: 2,000,000 of 3,000,000 bytes (compiled in 4.1 s; init)'
@@ -97,7 +97,7 @@ class Plan(NamedTuple):
 
     ``str(plan)`` says all of it in words.
 
-    Example:
+    Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
         >>> print(Plan(34, 3, ledger, 2_000, chunk=3, largest=40, fused=True, source="searched"))
         micro-batch 34 x 3 micro-steps (searched; the largest that fits is 40), peak 1,500 \
@@ -145,7 +145,7 @@ def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 
     With ``k = ceil(T / largest)`` micro-steps, ``ceil(T / k)`` rounded up to
     ``multiple_of`` pads the last micro-batch the least; it never exceeds ``largest``.
 
-    Example:
+    Examples:
         >>> least_padding_size(4096, 1342)  # 4 micro-steps of 1024, not 1342 x 4
         1024
         >>> least_padding_size(100, 48, multiple_of=8)  # 3 x 40 would pad 20; 3 x 34 -> 40
@@ -163,7 +163,7 @@ def chunk_length(steps: int, most: int) -> int:
     micro-steps; of the lengths with the fewest dispatches, the shortest (the least
     memory in flight).
 
-    Example:
+    Examples:
         >>> chunk_length(128, 16), chunk_length(7, 16), chunk_length(10, 4), chunk_length(5, 1)
         (16, 7, 3, 1)
     """

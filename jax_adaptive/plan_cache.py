@@ -39,7 +39,7 @@ def _first_line(exc: BaseException) -> str:
 def plan_key(**parts: Any) -> str:
     """A stable hex digest of the named parts of a plan's key (JSON-serialisable values).
 
-    Example:
+    Examples:
         >>> plan_key(device="cpu", target=256) == plan_key(target=256, device="cpu")
         True
     """
@@ -53,7 +53,7 @@ class PlanCache:
     Args:
         path: the file; None for the default (see the module docstring).
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
         >>> cache.put("k", {"micro_batch_size": 438})
@@ -125,7 +125,7 @@ class PlanCache:
         A size that is not an int in ``[1, target_batch_size]`` (a stale or hand-edited
         entry) is ignored with a warning.
 
-        Example:
+        Examples:
             >>> import tempfile, pathlib
             >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
             >>> cache.put("k", {"micro_batch_size": 438})
@@ -156,7 +156,7 @@ class PlanCache:
         sidecar file (``<file>.lock``) while it reads, merges and atomically replaces the
         file (a crash never leaves half a file; its temporary file is removed).
 
-        Example:
+        Examples:
             >>> import tempfile, pathlib
             >>> path = pathlib.Path(tempfile.mkdtemp()) / "plans.json"
             >>> PlanCache(path).put("a", {"micro_batch_size": 4})
@@ -194,7 +194,7 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path
     Returns:
         The directory used.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> enable_compilation_cache(tempfile.mkdtemp()).is_dir()
         True

@@ -31,7 +31,7 @@ class Unread(NamedTuple):
     def __bool__(self) -> bool:
         """Whether anything was handed back: an item, or the stream's error.
 
-        Example:
+        Examples:
             >>> bool(Unread([])), bool(Unread([1])), bool(Unread([], OSError("gone")))
             (False, True, True)
         """
@@ -72,7 +72,7 @@ class ReadAhead:
         iterator: any iterator (a generator, a loader); read from one thread at a time.
         depth: how many items may be read and not yet taken (at least 1).
 
-    Example:
+    Examples:
         >>> stream = iter(range(5))
         >>> reader = ReadAhead(stream, depth=2)
         >>> next(reader), next(reader)

@@ -80,7 +80,7 @@ def write_report(workdir: str | Path) -> list[Path]:
     Raises:
         ValueError: when ``workdir`` holds no ``plan.json`` (not a run's workdir).
 
-    Example:
+    Examples:
         >>> import io, tempfile
         >>> from jax_adaptive.train import TrainConfig, train
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +130,7 @@ def write_report(workdir: str | Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
-    Example:
+    Examples:
         >>> main(["--help"])
         2
     """

@@ -56,7 +56,7 @@ OBJECTIVES = ("least_padding", "max", "throughput")  # the choices of --objectiv
 class TrainConfig:
     """What a run trains; every field is a command-line flag.
 
-    Example:
+    Examples:
         >>> TrainConfig(model="mlp", updates=3).target_batch_size
         256
     """
@@ -90,7 +90,7 @@ class TrainConfig:
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.
 
-        Example:
+        Examples:
             >>> TrainConfig(batch_schedule="0:64,20:256").schedule()(20)
             256
         """
@@ -101,7 +101,7 @@ class TrainConfig:
     def target_sizes(self) -> list[int]:
         """Every target batch size the run may use (one without a schedule).
 
-        Example:
+        Examples:
             >>> TrainConfig(batch_schedule="0:64,20:256").target_sizes()
             [64, 256]
         """
@@ -113,7 +113,7 @@ class TrainConfig:
     def plan_cache_arg(self) -> str | bool | None:
         """The trainer's ``plan_cache``: by default the workdir's ``plans.json``, if any.
 
-        Example:
+        Examples:
             >>> TrainConfig(workdir="/tmp/run").plan_cache_arg()
             '/tmp/run/plans.json'
         """
@@ -149,7 +149,7 @@ def _directory_flag(flag: str, path: str | None) -> None:
 def check_config(config: TrainConfig) -> None:
     """Raises a one-line `ValueError`, naming the flag, for a config no path can run.
 
-    Example:
+    Examples:
         >>> check_config(TrainConfig(optimizer="lion"))
         Traceback (most recent call last):
         ValueError: unknown optimizer 'lion'; choose one of adam, adamw, sgd.
@@ -244,7 +244,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         ValueError: naming ``--model``, when the module cannot be imported or holds no
             such callable.
 
-    Example:
+    Examples:
         >>> load_factory("jax_adaptive.models:CNN").__name__
         'CNN'
         >>> load_factory("jax_adaptive.models")
@@ -272,7 +272,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """The optax optimizer the config names, at its learning rate.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> make_optimizer(TrainConfig(optimizer="sgd")).init({"w": jnp.ones(2)})
         (EmptyState(), EmptyState())
@@ -283,7 +283,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict[str, Any]:
     """One trainer's plan as ``plan.json`` holds it (every `SizeTrial` field passes through).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np
         >>> trainer = AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
         ...                           target_batch_size=8, micro_batch_size=4)
@@ -318,7 +318,7 @@ class Workdir(contextlib.AbstractContextManager):
     Raises:
         ValueError: when the directory holds checkpoints and ``config.resume`` is off.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
         ...     work.write_plan([], search_seconds=0.0)
@@ -370,7 +370,7 @@ class Workdir(contextlib.AbstractContextManager):
     ) -> contextlib.AbstractContextManager[Workdir | None]:
         """The config's workdir as a context (None without ``config.workdir``); args as above.
 
-        Example:
+        Examples:
             >>> with Workdir.of(TrainConfig()) as work:
             ...     print(work)
             None
@@ -393,7 +393,7 @@ class Workdir(contextlib.AbstractContextManager):
         A run that goes on after ``done`` updates (a resumed one) writes the later ones
         again: one line per update, however often they were redone.
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
             ...     for update in (1, 2, 3):
@@ -431,7 +431,7 @@ class Workdir(contextlib.AbstractContextManager):
         The latest intact checkpoint's with ``--resume`` (placed like ``state``), else
         ``state`` itself at position 0 after 0 updates.
 
-        Example:
+        Examples:
             >>> import tempfile, jax, jax.numpy as jnp
             >>> from jax_adaptive.step import multi_steps
             >>> params = {"w": jnp.ones(2)}
@@ -527,7 +527,7 @@ def host_loop(
     Returns:
         The final state and the metrics line of each update run (``update`` first).
 
-    Example:
+    Examples:
         >>> import io
         >>> step = lambda s, b: (s + b, {"loss": 1.0 / (s + b), "micro_batch_size": 4,
         ...                              "accumulation_steps": 2})
@@ -586,7 +586,7 @@ def run_path(
     Returns:
         The summary.
 
-    Example:
+    Examples:
         >>> import io
         >>> run_path(TrainConfig(), lambda c, w, o: {"losses": []}, lambda s: "done",
         ...          out=io.StringIO())

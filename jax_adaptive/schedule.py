@@ -38,7 +38,7 @@ class BatchSchedule:
         TypeError, ValueError: one line naming ``target_batch_size``, for a spec that is
             none of the above or a step that is not ``(int >= 0, positive int)``.
 
-    Example:
+    Examples:
         >>> schedule = BatchSchedule([(0, 64), (100, 256), (500, 1024)])
         >>> schedule(0), schedule(99), schedule(100), schedule(10**6)
         (64, 64, 256, 1024)
@@ -88,7 +88,7 @@ class BatchSchedule:
     def examples_before(self, updates: int) -> int:
         """Examples the updates ``0 .. updates - 1`` take in all (a data stream's position).
 
-        Example:
+        Examples:
             >>> BatchSchedule([(0, 8), (2, 16)]).examples_before(3)
             32
         """
@@ -133,7 +133,7 @@ def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
 def batch_schedule(*steps: tuple[int, int]) -> BatchSchedule:
     """A schedule of ``(update, size)`` steps: ``batch_schedule((0, 64), (100, 256))``.
 
-    Example:
+    Examples:
         >>> schedule = batch_schedule((0, 64), (100, 256))
         >>> schedule(99), schedule(100)
         (64, 256)
@@ -144,7 +144,7 @@ def batch_schedule(*steps: tuple[int, int]) -> BatchSchedule:
 def parse_batch_schedule(text: str, flag: str = "--batch-schedule") -> BatchSchedule:
     """Parses ``"0:64,20:256"`` (from update 0 use 64, from 20 use 256); one-line errors.
 
-    Example:
+    Examples:
         >>> parse_batch_schedule("0:64,20:256").steps
         ((0, 64), (20, 256))
         >>> parse_batch_schedule("0:64,x")

@@ -80,7 +80,7 @@ def search_max_size(
         NothingFitsError: when the smallest candidate does not fit.
         ValueError: when ``[lo, hi]`` holds no multiple of ``multiple_of``.
 
-    Example:
+    Examples:
         >>> result = search_max_size(lambda s: s * 3 <= 100, lo=1, hi=64)
         >>> result.size, result.calls
         (33, 7)

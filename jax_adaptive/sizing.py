@@ -95,7 +95,7 @@ def compile_measured(
     ``fault_hook.before_compile(size)`` runs first when a hook is given (the compile of
     that size may be made to fail). The time counts the lowering ``lower`` does.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> program = compile_measured(lambda: jax.jit(jnp.sin).lower(jnp.ones(4)))
         >>> program.report["output"] >= 16 and program.seconds > 0
@@ -443,7 +443,7 @@ class Sizing:
         compiles: the sized programs compiled so far.
         fault_hook: a `FaultHook` called before each compile, or None.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> def lower(size):  # a program whose temporaries grow with the size
         ...     x = jax.ShapeDtypeStruct((size, 1024), jnp.float32)

@@ -85,7 +85,7 @@ def multi_steps(optimizer: optax.GradientTransformation, k: Any) -> optax.MultiS
 
     ``k`` may be traced: one compiled program then serves every accumulation count.
 
-    Example:
+    Examples:
         >>> import optax
         >>> multi_steps(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)}).mini_step
         Array(0, dtype=int32)
@@ -96,7 +96,7 @@ def multi_steps(optimizer: optax.GradientTransformation, k: Any) -> optax.MultiS
 def loss_takes_weights(loss_fn: Callable[..., Any]) -> bool:
     """Whether ``loss_fn`` declares a keyword parameter ``weights`` (see `call_loss`).
 
-    Example:
+    Examples:
         >>> loss_takes_weights(lambda p, b, r, *, weights: b), loss_takes_weights(max)
         (True, False)
     """
@@ -117,7 +117,7 @@ def call_loss(
     as the keyword ``weights`` when given: pass it only to a loss that `loss_takes_weights`
     (ghost batches use it to keep padding out of BatchNorm's running averages).
 
-    Example:
+    Examples:
         >>> call_loss(lambda p, b, r: (b * p, {"n": b}), True, False, 2.0, (), 3.0, None)
         (6.0, {'n': 3.0}, ())
     """
@@ -149,7 +149,7 @@ def call_loss(
 def check_per_example(name: str, value: Any, m: int) -> None:
     """Raises a one-line error unless ``value`` is ``m`` floating-point values, one per example.
 
-    Example:
+    Examples:
         >>> check_per_example("loss", jnp.ones(3), 4)
         Traceback (most recent call last):
         ValueError: loss must be per-example, of shape (4,) for a micro-batch of 4; ...
@@ -185,7 +185,7 @@ def weighted_sums(
         ``sum(weights * losses)`` (what the gradient is taken of), the weighted float32
         sums of the loss and of each aux metric by name, and the new model state.
 
-    Example:
+    Examples:
         >>> loss = lambda p, b, r: (b - p) ** 2
         >>> total, sums, _ = weighted_sums(
         ...     loss, False, False, False, 1.0, (), jnp.array([0.0, jnp.nan]), None,
@@ -241,7 +241,7 @@ def make_micro_step(
     It returns ``(acc_grads, mini_step, model_state, totals)``. The totals are a few
     scalars: not donated, one set of device zeros can start every update.
 
-    Example:
+    Examples:
         >>> import optax
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
         >>> step = jax.jit(make_micro_step(loss, optax.sgd(0.1), 4),
@@ -300,7 +300,7 @@ def make_optimizer_step(
     `per_device`): the step first sums them over it, the update's one reduction across
     devices, and returns the accumulator reset in the parameters' own shape.
 
-    Example:
+    Examples:
         >>> import optax
         >>> params = {"w": jnp.ones(())}
         >>> opt = multi_steps(optax.sgd(0.5), 2).init(params)
@@ -343,7 +343,7 @@ def with_optimizer_step(
     ``MultiSteps`` leaves), so the caller keeps it as the new state's, and no
     state-sized tree of zeros is written per update. Jit it donating nothing.
 
-    Example:
+    Examples:
         >>> import optax
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
         >>> last = jax.jit(with_optimizer_step(
@@ -395,7 +395,7 @@ def scan_micro_steps(
     already split, ``[c, rows, ...]`` (a device's rows of each micro-batch, see
     `per_device`); the offsets still step by ``size``.
 
-    Example:
+    Examples:
         >>> import optax
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2
         >>> micro = make_micro_step(loss, optax.sgd(0.1), 4)
@@ -467,7 +467,7 @@ def per_device(
         A function of the micro-step's arguments and results (`make_micro_step`), with
         ``acc_grads`` and ``totals`` of a leading device axis; jit it as the micro-step.
 
-    Example:
+    Examples:
         >>> import optax
         >>> from jax.sharding import Mesh
         >>> loss = lambda p, b, rng: (b["x"] * p["w"] - b["y"]) ** 2

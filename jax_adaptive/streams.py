@@ -36,7 +36,7 @@ class Left(Generic[T]):
             truth value says whether anything waits in it.
         held_max: how many iterators without weak references to hold at once.
 
-    Example:
+    Examples:
         >>> left = Left(list)
         >>> it = iter([1, 2, 3])
         >>> waiting = left.of(it)
@@ -117,7 +117,7 @@ class Feed:
     Raises:
         ValueError: for a ``read_ahead`` that is not an int >= 0.
 
-    Example:
+    Examples:
         >>> class Waiting:
         ...     unread = Unread([])
         >>> it, left = iter(range(6)), Waiting()

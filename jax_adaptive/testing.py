@@ -35,7 +35,7 @@ class FaultInjector:
         executions_seen: micro-step executions so far.
         injected: the (execution number, size) of each injected failure.
 
-    Example:
+    Examples:
         >>> injector = FaultInjector(executions={2})
         >>> injector.before_execution(8, ())
         >>> try:
@@ -87,7 +87,7 @@ class FaultInjector:
 def inject_oom(trainer: Any, **kwargs: Any) -> Iterator[FaultInjector]:
     """Installs a `FaultInjector` as a trainer's ``fault_hook`` inside a ``with`` block.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
         >>> from jax_adaptive.testing import inject_oom
         >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),

@@ -36,7 +36,7 @@ _UNITS = {
 def parse_bytes(text: str) -> int:
     """Parses a memory size: ``"8GiB"``, ``"512MB"``, ``"1.5GB"`` or a plain byte count.
 
-    Example:
+    Examples:
         >>> parse_bytes("8GiB"), parse_bytes("512MB"), parse_bytes("1000")
         (8589934592, 512000000, 1000)
     """
@@ -69,7 +69,7 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     Returns:
         A summary: the plan, the search cost and the loss of each update.
 
-    Example:
+    Examples:
         >>> import io
         >>> summary = train(TrainConfig(target_batch_size=8, updates=2, progress=False),
         ...                 out=io.StringIO())
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     Every bad flag gives one line on stderr (naming the flag and what it allows) and
     status 2, before any training starts.
 
-    Example:
+    Examples:
         >>> main(["--resume"])  # prints "error: --resume needs --workdir ..." to stderr
         2
         >>> main(["--updates", "0"])  # "error: --updates 0 must be a positive int."

@@ -62,7 +62,7 @@ def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | No
     divisor exists, or in a data-parallel run (a micro-batch's groups, run one after
     another, would each sit on one device).
 
-    Example:
+    Examples:
         >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96),
         ...                  ("batch_stats",))
         32
@@ -195,7 +195,7 @@ def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
         ValueError: one line naming ``--model`` when the factory, its module or its loss
             does not keep that contract.
 
-    Example:
+    Examples:
         >>> from jax_adaptive.datasets import SyntheticSource
         >>> model = image_model(TrainConfig(model="mlp"), 10, SyntheticSource(2)[0])
         >>> type(model.module).__name__, model.mutable
@@ -420,7 +420,7 @@ def _scheduled(
 def _updates_in(examples: float, schedule: Any) -> int:
     """The updates whose target batches add up to ``examples`` (at least one).
 
-    Example:
+    Examples:
         >>> from jax_adaptive.schedule import BatchSchedule
         >>> _updates_in(100, BatchSchedule([(0, 8), (2, 32)]))  # 8 + 8 + 32 + 32 = 80
         4
@@ -467,7 +467,7 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     Returns:
         A summary: the plan, the search cost and the loss of each update.
 
-    Example:
+    Examples:
         >>> import io
         >>> config = TrainConfig(model="mlp", target_batch_size=8, updates=2, progress=False)
         >>> summary = train_images(config, out=io.StringIO())
@@ -508,7 +508,7 @@ def _summary_line(summary: dict[str, Any]) -> str:
 def _sizes_text(sizes: list[int]) -> str:
     """The target batch sizes of a run that changed them, as ``target batch 8 -> 32, ``.
 
-    Example:
+    Examples:
         >>> _sizes_text([8, 8, 32]), _sizes_text([8, 8])
         ('target batch 8 -> 32, ', '')
     """

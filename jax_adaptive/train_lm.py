@@ -100,7 +100,7 @@ def _stream(
     sequences they left waiting wait again. Their count must be the checkpoint's
     ``position``: else the stream is not the one the checkpoint's run read.
 
-    Example:
+    Examples:
         >>> import itertools
         >>> from jax_adaptive.data import synthetic_sequences
         >>> sizes = {16: 8, 32: 4, 64: 2}  # sequences per update of each bucket
@@ -213,7 +213,7 @@ def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, An
     Returns:
         A summary: each bucket's plan, the search compiles, the losses and the padding.
 
-    Example:
+    Examples:
         >>> import io
         >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
         ...                      progress=False, plan_cache=False)

@@ -129,7 +129,7 @@ class AdaptiveTrainer:
             ``before_execution(size, args)``, called before each compile and each
             micro-step (`jax_adaptive.testing.inject_oom` installs one), or None.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
         >>> import jax_adaptive as ja
         >>> def loss_fn(params, batch, rng):
@@ -227,7 +227,7 @@ class AdaptiveTrainer:
     def target_batch_size_for(self, state: TrainState) -> int:
         """The examples the update of ``state`` takes: the schedule at ``state.updates``.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(0.1),
             ...                              target_batch_size=lambda u: 4 * (u + 1))
@@ -385,7 +385,7 @@ class AdaptiveTrainer:
         Raises:
             NothingFitsError: when even the smallest micro-batch does not fit.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> loss = lambda p, b, r: jnp.sum((b * p) ** 2, axis=1)
             >>> short, long = (ja.AdaptiveTrainer(loss, optax.sgd(0.1), target_batch_size=8)
@@ -420,7 +420,7 @@ class AdaptiveTrainer:
         Returns:
             The ``jax.stages.Compiled`` program.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
             ...                              target_batch_size=8, micro_batch_size=8)
@@ -442,7 +442,7 @@ class AdaptiveTrainer:
         the optimizer step, whose new state lives beside the old (`Plan.fused` says
         whether updates run it).
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.adam(0.1),
             ...                              target_batch_size=8, micro_batch_size=8)
@@ -462,7 +462,7 @@ class AdaptiveTrainer:
         The smaller of ``memory_limit`` and the device's capacity less ``headroom``
         less what other arrays held when the plan was made.
 
-        Example:
+        Examples:
             >>> import optax, jax_adaptive as ja
             >>> ja.AdaptiveTrainer(lambda p, b, r: b, optax.sgd(0.1), target_batch_size=8,
             ...                    memory_limit=10**9).capacity()
@@ -478,7 +478,7 @@ class AdaptiveTrainer:
         way the next step decides the chunk and the fused last program again (one
         process), even when the micro-batch stays.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
             ...                              target_batch_size=8)
@@ -510,7 +510,7 @@ class AdaptiveTrainer:
             batch, a device scalar), each aux metric's, ``micro_batch_size``,
             ``accumulation_steps`` and ``examples``.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(1.0),
             ...                              target_batch_size=4, micro_batch_size=3)
@@ -547,7 +547,7 @@ class AdaptiveTrainer:
             The evaluator: its ``batch_size``, ``largest``, ``search_log`` and
             ``fault_hook`` (`jax_adaptive.testing.inject_oom` takes it).
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
             ...                              target_batch_size=8, plan_cache=False)
@@ -599,7 +599,7 @@ class AdaptiveTrainer:
         Raises:
             NothingFitsError: when even a batch of 1 does not fit beside the state.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2, optax.sgd(0.1),
             ...                              target_batch_size=4, plan_cache=False)
@@ -673,7 +673,7 @@ class AdaptiveTrainer:
         Raises:
             FitError: any error part-way, as its ``__cause__``, with what was done.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2,
             ...                              optax.sgd(0.1), target_batch_size=8)

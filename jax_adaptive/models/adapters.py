@@ -37,7 +37,7 @@ def train_kwargs(model: nn.Module, train: bool) -> dict[str, bool]:
     How the adapters call (and the command line initialises) a user's module: the Flax
     examples' models differ, some take a ``train`` switch, the MNIST CNN takes none.
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> from jax_adaptive.models import MLP
         >>> train_kwargs(MLP(features=(8,), num_classes=3), False)
@@ -141,7 +141,7 @@ def linen_classifier_loss(
         ValueError: when ``ghost_batch_size`` is given without ``mutable`` or with
             ``train=False``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax_adaptive.models import MLP
         >>> model = MLP(features=(8,), num_classes=3)
@@ -212,7 +212,7 @@ def gpt_token_loss(
     Returns:
         ``(params, batch, rng) -> losses``, of shape ``[m]``; use it with ``has_aux=False``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax_adaptive.models import GPT
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)
@@ -294,7 +294,7 @@ def nnx_classifier_loss(
         ValueError: when the model trains BatchNorm statistics and ``mutable`` is None,
             or ``ghost_batch_size`` is given without them.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))

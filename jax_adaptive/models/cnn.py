@@ -7,7 +7,7 @@ import jax
 class CNN(nn.Module):
     """Two convolutions with pooling, then a dense layer: the CLI's default model.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = CNN(num_classes=10)
         >>> params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))

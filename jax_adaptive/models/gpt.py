@@ -18,7 +18,7 @@ class GPT(nn.Module):
     transpose. Parameters are float32, ``dtype`` is the compute dtype, the logits are
     float32. Pair it with `gpt_token_loss`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)
         >>> tokens = jnp.zeros((2, 5), jnp.int32)

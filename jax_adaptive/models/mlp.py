@@ -9,7 +9,7 @@ import jax
 class MLP(nn.Module):
     """Dense layers with ReLU and optional dropout, ending in ``num_classes`` logits.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = MLP(features=(16,), num_classes=3)
         >>> params = model.init(jax.random.key(0), jnp.zeros((2, 4)))

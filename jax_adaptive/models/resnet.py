@@ -22,7 +22,7 @@ def _norm(train: bool, dtype: Any, **kwargs: Any) -> nn.BatchNorm:
 class ResNetBlock(nn.Module):
     """A residual block: two 3x3 convolutions (basic) or 1x1-3x3-1x1 (bottleneck).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> block = ResNetBlock(filters=4, strides=2)
         >>> x = jnp.zeros((1, 8, 8, 3))
@@ -63,7 +63,7 @@ class ResNet(nn.Module):
     `linen_classifier_loss`, whose ``ghost_batch_size`` computes them over fixed groups of
     examples, so that training does not depend on the micro-batch size).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = ResNet(stage_sizes=(1, 1), num_filters=4, num_classes=3)
         >>> images = jnp.zeros((2, 16, 16, 3))
@@ -102,7 +102,7 @@ class ResNet(nn.Module):
 class ResNet18(ResNet):
     """ResNet-18: basic blocks, stages (2, 2, 2, 2).
 
-    Example:
+    Examples:
         >>> ResNet18(num_classes=10).stage_sizes
         (2, 2, 2, 2)
     """
@@ -114,7 +114,7 @@ class ResNet18(ResNet):
 class ResNet50(ResNet):
     """ResNet-50: bottleneck blocks, stages (3, 4, 6, 3), about 25.6 M parameters.
 
-    Example:
+    Examples:
         >>> model = ResNet50()
         >>> model.stage_sizes, model.block
         ((3, 4, 6, 3), 'bottleneck')
@@ -127,7 +127,7 @@ class ResNet50(ResNet):
 class ResNetTiny(ResNet):
     """A ResNet small enough for CPU tests and benchmarks: one basic block a stage, 8 filters.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = ResNetTiny()
         >>> images = jnp.zeros((2, 16, 16, 3))

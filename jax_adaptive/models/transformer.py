@@ -10,7 +10,7 @@ import jax.numpy as jnp
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> block = TransformerBlock(heads=2, mlp_dim=16)
         >>> x = jnp.zeros((1, 3, 8))
@@ -46,7 +46,7 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """``depth`` pre-norm `TransformerBlock` s and a final LayerNorm.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> encoder = Transformer(depth=2, heads=2)
         >>> x = jnp.zeros((1, 3, 8))

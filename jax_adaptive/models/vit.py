@@ -18,7 +18,7 @@ class ViT(nn.Module):
     token (``pool="cls"``) or the mean of the patch tokens (``pool="mean"``).
     Parameters are float32, ``dtype`` is the compute dtype, the logits are float32.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = ViT(patch_size=4, width=8, depth=1, heads=2, num_classes=3)
         >>> images = jnp.zeros((2, 8, 8, 3))
@@ -60,7 +60,7 @@ class ViT(nn.Module):
 class ViTTiny(ViT):
     """ViT-Ti/16 (DeiT-Tiny): width 192, depth 12, 3 heads, about 5.7 M parameters.
 
-    Example:
+    Examples:
         >>> model = ViTTiny()
         >>> model.patch_size, model.width, model.depth, model.heads
         (16, 192, 12, 3)
@@ -75,7 +75,7 @@ class ViTTiny(ViT):
 class ViTMicro(ViT):
     """A ViT small enough for CPU tests: patches of 4 (16 on a 16x16 image), width 32.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = ViTMicro()
         >>> images = jnp.zeros((2, 16, 16, 3))
