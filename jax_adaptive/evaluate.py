@@ -46,7 +46,7 @@ from jax_adaptive.plan import SizeTrial, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.sizing import Binding, FaultHook, Sized, Sizing
 
-__all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn"]
+__all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn", "TrainerEvaluations"]
 
 
 MetricFn = Callable[[Any, Any], Any]
@@ -488,6 +488,92 @@ class Evaluator:
         self._program.use(size)
         self.batch_size = size
         return size
+
+
+class TrainerEvaluations:
+    """A trainer's evaluators, one per metric function, sized beside its train state.
+
+    Each shares the trainer's device, limit (followed when it changes), headroom and
+    plan cache; its sizes and out-of-memory shrinking are its own. With model state,
+    ``metric_fn(params, model_state, batch)``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> evaluations = TrainerEvaluations(
+        ...     has_state=False, device=jax.devices()[0], mesh=None, limit=lambda: None,
+        ...     headroom=0.05, plan_cache=None)
+        >>> error = lambda p, b: {"error": (b * p - 1) ** 2}
+        >>> evaluations.evaluator(error) is evaluations.evaluator(error)
+        True
+    """
+
+    def __init__(
+        self,
+        *,
+        has_state: bool,
+        device: jax.Device,
+        mesh: Any,
+        limit: Callable[[], int | None],
+        headroom: float,
+        plan_cache: PlanCache | None,
+    ):
+        self.has_state, self.device, self.mesh = has_state, device, mesh
+        self._limit, self._headroom, self._plan_cache = limit, headroom, plan_cache
+        self._evaluators: dict[Callable[..., Any], Evaluator] = {}
+
+    def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
+        """The evaluator kept for ``metric_fn`` (made on first use)."""
+        evaluator = self._evaluators.get(metric_fn)
+        if evaluator is None:
+            evaluator = self._evaluators[metric_fn] = Evaluator(
+                _with_model_state(metric_fn) if self.has_state else metric_fn,
+                memory_limit=self._limit(),
+                headroom=self._headroom,
+                plan_cache=False if self._plan_cache is None else self._plan_cache,
+                device=self.device,
+            )
+        evaluator.memory_limit = self._limit()
+        return evaluator
+
+    def evaluate(
+        self, state: Any, data: Any, metric_fn: Callable[..., Any], predict: bool = False
+    ) -> Any:
+        """``metric_fn``'s means over ``data`` (or its outputs), the state counted as live."""
+        evaluator = self.evaluator(metric_fn)
+        params = (state.params, state.model_state) if self.has_state else state.params
+        if self.mesh is not None:
+            params = jax.device_put(params, self.device)
+        run = evaluator.predict if predict else evaluator.evaluate
+        return run(params, data, resident=state)
+
+    def after_update(
+        self, every: int | None, data: Any, metric_fn: Callable[..., Any] | None, last: int | None
+    ) -> Callable[[int, Any], dict[str, Any]] | None:
+        """``fit``'s evaluation after an update: ``eval_<name>`` metrics when one is due."""
+        if every is None:
+            if data is not None or metric_fn is not None:
+                raise ValueError("eval_data and metric_fn need eval_every (updates between).")
+            return None
+        checks.positive_int("eval_every", every)
+        if data is None or not callable(metric_fn):
+            raise ValueError("eval_every needs eval_data and a callable metric_fn.")
+
+        def after(update: int, state: Any) -> dict[str, Any]:
+            if update % every and update != last:
+                return {}
+            metrics = self.evaluate(state, data() if callable(data) else data, metric_fn)
+            return {f"eval_{name}": value for name, value in metrics.items()}
+
+        return after
+
+
+def _with_model_state(metric_fn: Callable[..., Any]) -> MetricFn:
+    """``(params, model_state, batch)`` as the evaluator's ``((params, model_state), batch)``."""
+
+    def metric(variables: tuple[Any, Any], batch: Any) -> Any:
+        return metric_fn(variables[0], variables[1], batch)
+
+    return metric
 
 
 def _host_value(value: np.ndarray) -> Any:

@@ -14,9 +14,17 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
+import jax
+
 from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size, is_int
 
-__all__ = ["BatchSchedule", "ScheduleSpec", "batch_schedule", "parse_batch_schedule"]
+__all__ = [
+    "BatchSchedule",
+    "ScheduleCursor",
+    "ScheduleSpec",
+    "batch_schedule",
+    "parse_batch_schedule",
+]
 
 ScheduleSpec: TypeAlias = "int | Callable[[int], int] | Sequence[tuple[int, int]] | BatchSchedule"
 
@@ -99,6 +107,68 @@ class BatchSchedule:
     def __repr__(self) -> str:
         spec = self.constant if self.constant is not None else self.steps or self._fn
         return f"BatchSchedule({spec!r})"
+
+
+class ScheduleCursor:
+    """Where a trainer is on its schedule: the update its next step makes, and its size.
+
+    ``state.updates`` is read from the device only for a state the trainer did not
+    return itself, and never for a constant size.
+
+    Args:
+        schedule: the target batch size per update.
+        shards: the data shards; a size below it is refused (every device needs an
+            example).
+
+    Attributes:
+        next_update: the update the next step makes (of the last state seen).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> cursor = ScheduleCursor(BatchSchedule([(0, 8), (2, 16)]), shards=1)
+        >>> cursor.seen(jnp.int32(2)), cursor.target
+        (2, 16)
+    """
+
+    def __init__(self, schedule: BatchSchedule, shards: int):
+        self.schedule, self.shards = schedule, shards
+        self.next_update = 0
+        self._returned: tuple[Any, int] = (None, 0)  # the updates a step returned, its value
+
+    @property
+    def target(self) -> int:
+        """The next update's target batch size."""
+        return self.size_at(self.next_update)
+
+    def updates_of(self, updates: Any) -> int:
+        """``state.updates`` on the host (0 for a constant size: nothing to read)."""
+        if self.schedule.constant is not None:
+            return 0
+        if updates is self._returned[0]:  # the state a step returned: no device read
+            return self._returned[1]
+        if isinstance(updates, jax.Array) and not updates.is_fully_addressable:
+            updates = updates.addressable_data(0)  # replicated: every process has it
+        return int(jax.device_get(updates))
+
+    def seen(self, updates: Any) -> int:
+        """Notes a state's ``updates`` as the next step's; returns it on the host."""
+        self.next_update = self.updates_of(updates)
+        return self.next_update
+
+    def stepped(self, updates: Any, done: int) -> None:
+        """Notes that a step returned a state whose ``updates`` is ``done``."""
+        self.next_update, self._returned = done, (updates, done)
+
+    def size_at(self, updates: int) -> int:
+        """The schedule's size at ``updates``, checked against the data shards."""
+        T = self.schedule(updates)
+        if T < self.shards:
+            where = "" if self.schedule.constant is not None else f" at update {updates}"
+            raise ValueError(
+                f"target_batch_size={T}{where} is smaller than the {self.shards} data shards "
+                "of the mesh: every device needs an example."
+            )
+        return T
 
 
 def _is_size(size: Any) -> bool:
