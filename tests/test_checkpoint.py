@@ -14,9 +14,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from jax_adaptive.checkpoint import Checkpoints
+from jax_adaptive.cli.checkpoints import Checkpoints
+from jax_adaptive.cli.main import main
 from jax_adaptive.step import TrainState, multi_steps
-from jax_adaptive.train import main
 
 RUN = {"seed": 0}
 PER_UPDATE = 8

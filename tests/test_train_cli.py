@@ -13,11 +13,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jax_adaptive.cli.language_model import _stream
+from jax_adaptive.cli.main import TrainConfig, main, parse_bytes, train
+from jax_adaptive.cli.report import main as report_main
+from jax_adaptive.cli.report import write_report
 from jax_adaptive.data import synthetic_sequences
-from jax_adaptive.report import main as report_main
-from jax_adaptive.report import write_report
-from jax_adaptive.train import TrainConfig, main, parse_bytes, train
-from jax_adaptive.train_lm import _stream
 
 
 def _compiles(line, before):
@@ -178,7 +178,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
 _MOCKED = """
 import sys
 import tensorflow_datasets as tfds
-from jax_adaptive.train import main
+from jax_adaptive.cli.main import main
 with tfds.testing.mock_data(num_examples=96, policy=tfds.testing.MockPolicy.USE_CODE):
     sys.exit(main(sys.argv[1:]))
 """

@@ -4,7 +4,7 @@ The zoo's small GPT trains on synthetic sequences of log-normal lengths
 (`jax_adaptive.data.synthetic_sequences`) through a `BucketedTrainer`: power-of-two buckets
 up to ``--max-length``, ``--target-tokens`` padded tokens per update, each bucket's
 plan searched on its first use, and the loss weighted per real token. The workdir and
-the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket planned.
+the loop are `jax_adaptive.cli.run`'s; ``plan.json`` holds one plan per bucket planned.
 
 With ``--workdir`` it checkpoints the state and the stream's position (the sequences
 read) every ``--checkpoint-every`` updates. ``--resume`` goes on from the latest
@@ -25,18 +25,12 @@ import numpy as np
 import tqdm
 
 from jax_adaptive.buckets import BucketBatch, BucketedTrainer, bucket_batches, pow2_buckets
+from jax_adaptive.cli.config import TrainConfig, check_config, make_optimizer
+from jax_adaptive.cli.run import host_loop, run_path
+from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
-from jax_adaptive.run import (
-    TrainConfig,
-    Workdir,
-    check_config,
-    host_loop,
-    make_optimizer,
-    plan_entry,
-    run_path,
-)
 from jax_adaptive.step import TrainState
 
 __all__ = ["train_gpt"]
@@ -208,7 +202,7 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
 
 
 def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains the small GPT with a token budget per update; see `jax_adaptive.train.train`.
+    """Trains the small GPT with a token budget per update; see `jax_adaptive.cli.main.train`.
 
     Returns:
         A summary: each bucket's plan, the search compiles, the losses and the padding.
