@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jax_adaptive.cli.config import check_config
 from jax_adaptive.cli.language_model import _stream
 from jax_adaptive.cli.main import TrainConfig, main, parse_bytes, train
 from jax_adaptive.cli.report import main as report_main
@@ -394,6 +396,18 @@ def test_a_users_model_that_breaks_the_contract_is_one_line_naming_the_flag(spec
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith(f"error: --model {spec!r}") and message in err, err
+
+
+def test_a_users_failing_factory_is_one_line_that_keeps_its_traceback():
+    config = TrainConfig(model="user_model:failing_model", updates=1, progress=False)
+    with pytest.raises(ValueError, match="the factory raised ZeroDivisionError") as info:
+        train(dataclasses.replace(config, plan_cache=False), out=io.StringIO())
+    cause = info.value.__cause__  # the user's own error, where it was raised
+    assert isinstance(cause, ZeroDivisionError), repr(cause)
+    assert traceback.extract_tb(cause.__traceback__)[-1].name == "failing_model"
+    with pytest.raises(ValueError, match="cannot import no_such_module") as info:
+        check_config(TrainConfig(model="no_such_module:make"))
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
 @pytest.mark.parametrize(

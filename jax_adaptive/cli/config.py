@@ -217,7 +217,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(
             f"--model {spec!r}: cannot import {module_name} ({type(exc).__name__}: {first})."
-        ) from None
+        ) from exc  # the user's traceback stays, as __cause__
     factory: Any = module
     for part in name.split("."):
         factory = getattr(factory, part, None)

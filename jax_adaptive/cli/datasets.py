@@ -103,7 +103,7 @@ def load_source(
             f"{str(exc).splitlines()[0]}. Prepare it as array_record on a machine with "
             f"network: `tfds build {name} --file_format=array_record --data_dir DIR`, then "
             "pass --data-dir DIR."
-        ) from None
+        ) from exc
     return _Images(source)
 
 
@@ -127,7 +127,7 @@ def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -
     try:
         return load_source(dataset, data_dir=data_dir, split="test")
     except ValueError as exc:
-        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from None
+        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from exc
 
 
 def all_examples(source: Source) -> dict[str, np.ndarray]:

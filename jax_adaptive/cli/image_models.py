@@ -148,7 +148,7 @@ def _guarded(spec: str, what: str, call: Callable[[], Any]) -> Any:
     except Exception as exc:
         error = exc
     first = str(error).splitlines()[0] if str(error) else ""
-    raise ValueError(f"--model {spec!r}: {what} raised {type(error).__name__}: {first}") from None
+    raise ValueError(f"--model {spec!r}: {what} raised {type(error).__name__}: {first}") from error
 
 
 def _kind(value: Any) -> str:

@@ -61,7 +61,8 @@ class Workdir(contextlib.AbstractContextManager):
             position itself.
 
     Raises:
-        ValueError: when the directory holds checkpoints and ``config.resume`` is off.
+        ValueError: when the directory holds checkpoints and ``config.resume`` is off, or
+            when it resumes and every checkpoint was moved aside as damaged.
 
     Example:
         >>> import tempfile
@@ -89,19 +90,28 @@ class Workdir(contextlib.AbstractContextManager):
         except OSError as exc:
             raise ValueError(
                 f"--workdir {str(path)!r} cannot be used: {exc.strerror or exc}."
-            ) from None
+            ) from exc
         self.checkpoints = None
         if run is not None:
             self.checkpoints = Checkpoints(
                 self.path / "checkpoints", run, examples_per_update=examples_per_update
             )
-        held = self.checkpoints is not None and self.checkpoints.latest() is not None
-        if held and not config.resume:
+        # Checkpoints moved aside as damaged count: a run that does not resume would
+        # start afresh over them.
+        held = self.checkpoints is not None and bool(
+            self.checkpoints.latest() is not None or self.checkpoints.aside()
+        )
+        try:
+            if held and not config.resume:
+                raise ValueError(
+                    f"{self.path} already holds checkpoints; pass --resume to go on, or "
+                    "another --workdir."
+                )
+            if held:
+                self.checkpoints.check_resumable()  # before anything is built
+        except ValueError:
             self.checkpoints.close()
-            raise ValueError(
-                f"{self.path} already holds checkpoints; pass --resume to go on, or another "
-                "--workdir."
-            )
+            raise
         self._metrics: TextIO | None = None
         self._plan: Any = None
 
