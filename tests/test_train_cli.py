@@ -458,3 +458,23 @@ def test_a_batch_schedule_grows_the_target_and_resumes_mid_schedule(tmp_path, ca
         (1, 16), (2, 16), (3, 64), (4, 64)
     ]  # fmt: skip
     assert all(m["micro_batch_size"] * m["accumulation_steps"] >= m["examples"] for m in lines)
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "extra"),
+    [
+        ("tensorflow_datasets", ["--dataset", "tfds:mnist", "--no-progress"], "tfds"),
+        ("matplotlib", None, "report"),  # python -m jax_adaptive.report WORKDIR
+    ],
+    ids=["tfds", "report"],
+)
+def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra, tmp_path,
+                                                            monkeypatch, capsys):  # fmt: skip
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    if argv is None:
+        (tmp_path / "plan.json").write_text('{"plans": []}')  # a run's workdir
+        assert report_main([str(tmp_path)]) == 2
+    else:
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pip install 'jax_adaptive[{extra}]'" in err, err

@@ -4,7 +4,7 @@ Writes ``search_trace.png`` (for each plan in ``plan.json``, one panel per bucke
 ``--model gpt`` run: each size tried, its estimated bytes against the micro-batch size,
 fits or out of memory, the limit as a line) and ``loss.png`` (the loss of each update,
 from ``metrics.jsonl``, one series per bucket, and the held-out loss where evaluated).
-Needs matplotlib (``pip install matplotlib``).
+Needs matplotlib: ``pip install 'jax_adaptive[report]'`` (one line says so when missing).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from jax_adaptive.cli.extras import import_extra
 
 __all__ = ["main", "write_report"]
 
@@ -78,7 +80,8 @@ def write_report(workdir: str | Path) -> list[Path]:
     """Writes the run's PNGs into ``workdir``; returns their paths.
 
     Raises:
-        ValueError: when ``workdir`` holds no ``plan.json`` (not a run's workdir).
+        ValueError: when ``workdir`` holds no ``plan.json`` (not a run's workdir), or
+            matplotlib is not installed.
 
     Example:
         >>> import io, tempfile
@@ -92,13 +95,10 @@ def write_report(workdir: str | Path) -> list[Path]:
     workdir = Path(workdir)
     if not (workdir / "plan.json").exists():
         raise ValueError(f"{workdir} has no plan.json; pass the --workdir of a training run.")
-    try:
-        import matplotlib
+    matplotlib = import_extra("matplotlib", "report", "the report")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("the report needs matplotlib: pip install matplotlib") from None
     plans = _plans(workdir)
     columns = min(len(plans), 3) or 1
     rows = -(-len(plans) // columns) or 1
