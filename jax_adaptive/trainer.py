@@ -705,7 +705,7 @@ class AdaptiveTrainer:
 
     def _evaluation_hook(
         self, every: int | None, data: Any, metric_fn: Callable[..., Any] | None, last: int | None
-    ) -> Callable[[int, TrainState], dict[str, Any]] | None:
+    ) -> Callable[[int, TrainState, dict[str, Any]], dict[str, Any]] | None:
         """``fit``'s evaluation after an update: ``eval_<name>`` metrics when one is due."""
         if every is None:
             if data is not None or metric_fn is not None:
@@ -715,7 +715,7 @@ class AdaptiveTrainer:
         if data is None or not callable(metric_fn):
             raise ValueError("eval_every needs eval_data and a callable metric_fn.")
 
-        def after(update: int, state: TrainState) -> dict[str, Any]:
+        def after(update: int, state: TrainState, _: dict[str, Any]) -> dict[str, Any]:
             if update % every and update != last:
                 return {}
             metrics = self.evaluate(state, data() if callable(data) else data, metric_fn)

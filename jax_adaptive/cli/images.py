@@ -3,8 +3,9 @@
 `train_images` builds the model (`jax_adaptive.cli.image_models.image_model`) and an
 `AdaptiveTrainer` from a `jax_adaptive.cli.config.TrainConfig`, simulates a small device
 on a CPU with no memory limit, plans, resumes from the workdir's latest checkpoint when
-asked, and trains through `jax_adaptive.cli.run.host_loop`, evaluating the held-out
-split (`jax_adaptive.cli.datasets.load_held_out`) every ``eval_every`` updates.
+asked, and trains through the one loop with the command line's hooks
+(`jax_adaptive.cli.run.RunHooks`), evaluating the held-out split
+(`jax_adaptive.cli.datasets.load_held_out`) every ``eval_every`` updates.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jax_adaptive.cli.datasets import (
     load_source,
 )
 from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
-from jax_adaptive.cli.run import host_loop, run_path
+from jax_adaptive.cli.run import RunHooks, run_path, speed_text
 from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.step import TrainState
@@ -211,27 +212,31 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     ) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
         T = trainer.target_batch_size  # of the state it returned last
-        batch, consumed[0] = drawn
+        batch, read = drawn
         state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
+        consumed[0] = read  # trained on
         scheduled = {} if config.batch_schedule is None else {"target_batch_size": T}
         return state, {
             "loss": loss, "train_accuracy": float(metrics["accuracy"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": int(metrics["accumulation_steps"]), **scheduled,
             "examples": T, "examples_per_s": T / seconds, "seconds": seconds,
+            "compiles": trainer.compiles,
         }  # fmt: skip
 
     def plans() -> dict[str, Any]:
         return {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]}
 
-    state, lines = host_loop(
-        step, state, _scheduled(batches, trainer.schedule, done), config, done=done,
-        updates=updates, describe=_image_line, plans=plans, workdir=workdir,
-        position=lambda: consumed[0], out=out, evaluate=evaluate,
+    hooks = RunHooks(
+        config, done=done, updates=updates, describe=_image_line, plans=plans, workdir=workdir,
+        position=lambda: consumed[0], out=out, evaluate=evaluate, compiles=trainer.compiles,
+        plans_now={None: (trainer.micro_batch_size, trainer.accumulation_steps,
+                          trainer.target_batch_size)},
     )  # fmt: skip
-    return _summary(trainer, search, lines)
+    hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
+    return _summary(trainer, search, hooks)
 
 
 def _scheduled(
@@ -260,10 +265,8 @@ def _updates_in(examples: float, schedule: Any) -> int:
     return max(1, updates)
 
 
-def _summary(
-    trainer: AdaptiveTrainer, search: dict[str, Any], lines: list[dict[str, Any]]
-) -> dict[str, Any]:
-    seconds = sum(line["seconds"] for line in lines)
+def _summary(trainer: AdaptiveTrainer, search: dict[str, Any], hooks: RunHooks) -> dict[str, Any]:
+    lines = hooks.lines
     evaluated = [line for line in lines if "eval_loss" in line]
     return {
         "micro_batch_size": trainer.micro_batch_size,
@@ -271,8 +274,8 @@ def _summary(
         **search,
         "from_plan_cache": search["from_plan_cache"] is not None,
         "plan_cache": search["from_plan_cache"],
-        "compiles_total": trainer.compiles,
-        "examples_per_s": sum(line["examples"] for line in lines) / seconds if lines else 0.0,
+        "compiles_total": trainer.compiles,  # plan.json's: the search's and every re-plan's
+        **hooks.timing("examples"),
         "target_batch_sizes": [line["examples"] for line in lines],
         "updates": len(lines),
         "losses": [line["loss"] for line in lines],
@@ -317,13 +320,19 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
 
 def _summary_line(summary: dict[str, Any]) -> str:
     losses, held_out = summary["losses"], summary["held_out"]
+    planning = summary["search_seconds"] + summary["compiling_seconds"]
     return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
         + _sizes_text(summary["target_batch_sizes"])
-        + f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s"
-        + (" (from the plan cache)" if summary["from_plan_cache"] else "")
-        + f", {summary['examples_per_s']:.0f} examples/s (mean over {summary['updates']} "
-        "updates), final "
+        + f"{summary['compiles_total']} compiles"
+        + (" (the plan from the plan cache)" if summary["from_plan_cache"] else "")
+        + f", {planning:.1f}s planning (the search"
+        + (f" and {summary['compiling_updates']} update"
+           f"{'s' * (summary['compiling_updates'] != 1)} that compiled"
+           if summary["compiling_updates"] else "")
+        + "), "
+        + speed_text(summary, "examples", summary["updates"])
+        + ", final "
         + (f"loss {losses[-1]:.4f} train_accuracy {summary['train_accuracy']:.3f}" if losses
            else "loss n/a")
         + (f", held-out loss {held_out['loss']:.4f} accuracy {held_out['accuracy']:.3f} "

@@ -28,6 +28,12 @@ from jax_adaptive.cli.config import (
 )
 from jax_adaptive.cli.images import train_images
 from jax_adaptive.cli.language_model import train_gpt
+from jax_adaptive.errors import (
+    FitError,
+    NothingFitsError,
+    OptimizerStepOutOfMemory,
+    StateLostError,
+)
 from jax_adaptive.plan_cache import enable_compilation_cache
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]
@@ -288,11 +294,24 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+# What a run can stop with that one line explains: a flag's or a refusal's ValueError, the
+# library's own errors. Anything else (a TypeError in a model, an OSError, an XLA error)
+# propagates with its traceback.
+_ONE_LINE = (ValueError, NothingFitsError, OptimizerStepOutOfMemory, StateLostError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 with a one-line error).
 
     Every bad flag gives one line on stderr (naming the flag and what it allows) and
-    status 2, before any training starts.
+    status 2, before any training starts; so do the library's own errors (nothing fits,
+    an optimizer step out of memory after its retries). Ctrl-C stops with status 130
+    after checkpointing the last update trained (with ``--workdir``). Any other error
+    propagates with its traceback, the last update trained checkpointed first.
 
     Example:
         >>> main(["--resume"])  # prints "error: --resume needs --workdir ..." to stderr
@@ -308,10 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
         train(config)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        print(
-            f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except FitError as exc:
+        if not isinstance(exc.__cause__, _ONE_LINE):
+            raise  # its traceback, and the cause's
+        cause = exc.__cause__
+        print(f"error: training stopped by {type(cause).__name__}: {_first_line(cause)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    except _ONE_LINE as exc:
+        print(f"error: {_first_line(exc)}", file=sys.stderr)
         return 2
     return 0
