@@ -10,5 +10,7 @@ It imports the library and nothing in the library imports it. Its modules:
   ``metrics.jsonl``, ``plan.json``, checkpoints) and its summary;
 * `jax_adaptive.cli.workdir` and `jax_adaptive.cli.checkpoints`: where a run writes;
 * `jax_adaptive.cli.datasets`: synthetic images and TFDS sources;
-* `jax_adaptive.cli.report`: ``python -m jax_adaptive.report WORKDIR``, a run's plots.
+* `jax_adaptive.cli.report`: ``python -m jax_adaptive.report WORKDIR``, a run's plots;
+* `jax_adaptive.cli.extras`: the optional dependencies (the ``tfds`` and ``report``
+  extras), one line saying what to install when one is missing.
 """

@@ -72,14 +72,20 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """Trains as configured: `jax_adaptive.cli.images.train_images`, or `train_gpt` for ``gpt``.
 
     Prints the plan (after the simulated device's line, on a CPU with no
-    ``memory_limit``), each update, each held-out evaluation (every ``eval_every``
-    updates and after the last) and a summary. With ``workdir``, writes ``plan.json``
-    (the plans and every size tried), ``metrics.jsonl`` (one line per update) and, for
-    the image models, orbax checkpoints (train state and data position) every
-    ``checkpoint_every`` updates; ``resume`` goes on from the latest one.
+    ``memory_limit``), each update, a line whenever the plan changes, each held-out
+    evaluation (every ``eval_every`` updates and after the last) and a summary (every
+    compile of the run, the steady speed apart from the updates that compiled). With
+    ``workdir``, writes ``plan.json`` (the plans and every size tried),
+    ``metrics.jsonl`` (one line per update) and orbax checkpoints (train state and data
+    position) every ``checkpoint_every`` updates, at the end, and after the last update
+    trained when the run stops on an error or a KeyboardInterrupt; ``resume`` goes on
+    from the latest one.
 
     Returns:
         A summary: the plan, the search cost and the loss of each update.
+
+    Raises:
+        FitError: an error part-way, as its ``__cause__``, with the last good state.
 
     Example:
         >>> import io
@@ -254,7 +260,8 @@ def _add_how_flags(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every",
         type=int,
         default=10,
-        help="updates between checkpoints (and one at the end)",
+        help="updates between checkpoints (and one at the end, or after the last update "
+        "trained when an error or Ctrl-C stops the run)",
     )
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
