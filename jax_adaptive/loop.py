@@ -172,7 +172,7 @@ def fit_loop(
         exc.add_note(f"fit: {len(history)} updates completed; see .state and .history")
         raise
     finally:
-        if isinstance(iterator, ReadAhead):
-            unread(iterator.close())  # type: ignore[misc]
         bar.close()
+        if isinstance(iterator, ReadAhead):  # its thread ends here, what it read is handed on
+            unread(iterator.close())  # type: ignore[misc]
     return state, history
