@@ -20,7 +20,7 @@ from common import write_result
 
 JOB = """
 import json, sys
-from jax_adaptive.train import TrainConfig, train
+from jax_adaptive.cli.main import TrainConfig, train
 config = TrainConfig(**json.loads(sys.argv[1]))
 summary = train(config, out=open("/dev/null", "w"))
 print(json.dumps({k: summary[k] for k in

@@ -29,6 +29,8 @@ __all__ = [
     "check_limit",
     "check_target_batch_size",
     "fixed_size",
+    "flag_int",
+    "flag_number",
     "is_int",
     "non_negative_int",
     "on_device",
@@ -390,3 +392,58 @@ def check_buckets(buckets: Any) -> tuple[Any, ...]:
             f"got {buckets!r} ({type(buckets).__name__})."
         )
     return listed
+
+
+# ---------------------------------------------------------------- command-line flags
+
+
+def flag_int(
+    flag: str, value: Any, *, low: int = 1, high: int | None = None, high_name: str | None = None
+) -> int:
+    """A command-line flag's int from ``low`` to ``high``, or a one-line `ValueError` naming it.
+
+    A flag's value is the user's text already parsed, so every wrong value (a bool, a
+    float, a number out of range) is a `ValueError`, which the command line prints as
+    its one line.
+
+    Args:
+        flag: the flag as typed (``"--updates"``).
+        value: its value.
+        low: the smallest value allowed (1: "a positive int").
+        high: the largest, if any.
+        high_name: how the message names ``high`` (``"2**31 - 1"``, another flag).
+
+    Examples:
+        >>> flag_int("--updates", 3), flag_int("--eval-every", 0, low=0)
+        (3, 0)
+        >>> flag_int("--updates", 0)
+        Traceback (most recent call last):
+        ValueError: --updates 0 must be a positive int.
+        >>> flag_int("--seed", 2**70, low=0, high=2**63 - 1, high_name="2**63 - 1")
+        Traceback (most recent call last):
+        ValueError: --seed 1180591620717411303424 must be at most 2**63 - 1.
+    """
+    if not is_int(value) or value < low:
+        kind = "a positive int" if low == 1 else f"an int, {low} or more"
+        raise ValueError(f"{flag} {value!r} must be {kind}.")
+    if high is not None and value > high:
+        raise ValueError(f"{flag} {value} must be at most {high_name or high}.")
+    return int(value)
+
+
+def flag_number(flag: str, value: Any) -> float:
+    """A command-line flag's finite number above 0, or a one-line `ValueError` naming it.
+
+    Examples:
+        >>> flag_number("--learning-rate", 3e-3)
+        0.003
+        >>> flag_number("--epochs", float("inf"))
+        Traceback (most recent call last):
+        ValueError: --epochs inf must be a finite number above 0.
+    """
+    number = isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool
+    )
+    if not (number and np.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} {value!r} must be a finite number above 0.")
+    return float(value)

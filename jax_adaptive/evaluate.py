@@ -548,7 +548,7 @@ class TrainerEvaluations:
 
     def after_update(
         self, every: int | None, data: Any, metric_fn: Callable[..., Any] | None, last: int | None
-    ) -> Callable[[int, Any], dict[str, Any]] | None:
+    ) -> Callable[[int, Any, dict[str, Any]], dict[str, Any]] | None:
         """``fit``'s evaluation after an update: ``eval_<name>`` metrics when one is due."""
         if every is None:
             if data is not None or metric_fn is not None:
@@ -558,7 +558,7 @@ class TrainerEvaluations:
         if data is None or not callable(metric_fn):
             raise ValueError("eval_every needs eval_data and a callable metric_fn.")
 
-        def after(update: int, state: Any) -> dict[str, Any]:
+        def after(update: int, state: Any, _: dict[str, Any]) -> dict[str, Any]:
             if update % every and update != last:
                 return {}
             metrics = self.evaluate(state, data() if callable(data) else data, metric_fn)

@@ -1,9 +1,12 @@
-"""The host loop: updates over a stream of batches, with progress and a callback.
+"""The one host loop: updates over a stream of batches, with progress and hooks.
 
 Kept apart from the jitted pieces (as the Flax examples keep ``train_step`` apart from
 their loop): values come to the host once per update, for the history and the bar,
-never per micro-step. `jax_adaptive.AdaptiveTrainer.fit` and
-`jax_adaptive.BucketedTrainer.fit` both run it.
+never per micro-step. `jax_adaptive.AdaptiveTrainer.fit`,
+`jax_adaptive.BucketedTrainer.fit` and the command line (`jax_adaptive.cli.run`) all
+run it; what the command line adds (held-out evaluation, ``metrics.jsonl``,
+``plan.json``, checkpoints, a printed line per update) are its hooks, and a resumed run
+starts it after the updates done.
 
 Nothing a fit did is lost to an error part-way through it. An optimizer step that runs
 out of memory (`jax_adaptive.OptimizerStepOutOfMemory`, its need does not shrink with
@@ -23,6 +26,7 @@ from typing import Any, TypeVar
 import jax
 
 from jax_adaptive.errors import FitError, OptimizerStepOutOfMemory
+from jax_adaptive.read_ahead import ReadAhead, Unread
 
 __all__ = ["fit_loop"]
 
@@ -57,6 +61,12 @@ def _update(
     raise AssertionError("unreachable")
 
 
+def _on_host(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics as host values, in the step's order (``device_get`` sorts a dict's keys)."""
+    fetched = jax.device_get(metrics)
+    return {key: fetched[key] for key in metrics} if isinstance(metrics, dict) else fetched
+
+
 def fit_loop(
     step: Callable[[State, Any], tuple[State, dict[str, Any]]],
     state: State,
@@ -66,7 +76,10 @@ def fit_loop(
     progress: bool = False,
     on_update: Callable[[int, dict[str, Any]], None] | None = None,
     retries: int = 3,
-    after_update: Callable[[int, State], dict[str, Any]] | None = None,
+    after_update: Callable[[int, State, dict[str, Any]], dict[str, Any] | None] | None = None,
+    start: int = 0,
+    read_ahead: int = 0,
+    unread: Callable[[Unread], None] | None = None,
 ) -> tuple[State, list[dict[str, Any]]]:
     """Runs ``step`` on each batch until the stream ends or ``num_updates`` are done.
 
@@ -78,12 +91,22 @@ def fit_loop(
         num_updates: how many updates to run; None runs until the stream ends.
         progress: show a progress bar (update, loss, examples/s, micro-batch size and
             accumulation steps).
-        on_update: called with the update's number (from 1) and metrics after each.
+        on_update: called with the update's number and metrics after each (after
+            ``after_update``, whose metrics it sees).
         retries: how many times in a row one batch's update is run again after its
             optimizer step ran out of memory.
-        after_update: called with the update's number and new state after each update
-            (before ``on_update``); the metrics it returns join that update's (an
+        after_update: called with the update's number, new state and metrics (host
+            values) after each update; the metrics it returns join that update's (an
             evaluation's, say). Its error ends the loop like any other, the update kept.
+        start: the updates done before this call (a resumed run's): the updates are
+            numbered from ``start + 1``, and the bar starts there.
+        read_ahead: how many batches a background thread reads ahead while the updates
+            run (`jax_adaptive.read_ahead.ReadAhead`), so that the stream's host work
+            overlaps them; 0 reads each batch when it is needed, in this thread.
+        unread: with ``read_ahead``, given what was read ahead and not trained on (an
+            `jax_adaptive.read_ahead.Unread`) when the loop ends, however it ends: a
+            stream the caller positions again itself (a checkpoint's data position)
+            may drop it. Required with ``read_ahead``: the loop loses no batch unasked.
 
     Returns:
         The state and one metrics dict (host values) per update.
@@ -99,15 +122,24 @@ def fit_loop(
         ...                           0, [1, 2, 3], num_updates=2)
         >>> state, [h["loss"] for h in history]
         (3, [1, 2])
+        >>> seen, it, left = [], iter([3, 4, 5]), []  # a resumed run: updates 3 and 4
+        >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
+        ...                           3, it, 2, start=2, on_update=lambda u, m: seen.append(u),
+        ...                           read_ahead=1, unread=lambda u: left.extend(u.items))
+        >>> state, seen, left + list(it)  # 5: read ahead and handed back, or not yet read
+        (10, [3, 4], [5])
     """
     from tqdm.auto import tqdm
 
     if num_updates is not None and (isinstance(num_updates, bool) or num_updates <= 0):
         raise ValueError(f"num_updates={num_updates} must be a positive int or None.")
+    if read_ahead and unread is None:
+        raise ValueError("read_ahead needs unread, which takes what was read and not trained on.")
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=num_updates, disable=not progress, unit="update", leave=False)
-    start, examples = time.perf_counter(), 0
-    iterator = iter(batches)
+    total = None if num_updates is None else start + num_updates
+    bar = tqdm(total=total, initial=start, disable=not progress, unit="update", leave=False)
+    began, examples = time.perf_counter(), 0
+    iterator = ReadAhead(iter(batches), read_ahead) if read_ahead else iter(batches)
     batch, kept = None, []
     try:
         while num_updates is None or len(history) < num_updates:
@@ -116,17 +148,18 @@ def fit_loop(
             except StopIteration:
                 break
             new_state, metrics = _update(step, state, batch, retries, kept)
-            state, metrics = new_state, jax.device_get(metrics)
+            state, metrics = new_state, _on_host(metrics)
             batch, kept = None, []  # done: nothing in flight
             history.append(metrics)
+            update = start + len(history)
             if after_update is not None:
-                metrics.update(jax.device_get(after_update(len(history), state)))
+                metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
             if on_update is not None:
-                on_update(len(history), metrics)
+                on_update(update, metrics)
             examples += int(metrics.get("examples", 0))
             bar.set_postfix(
                 loss=f"{float(metrics['loss']):.4f}",
-                ex_s=f"{examples / (time.perf_counter() - start):,.0f}",
+                ex_s=f"{examples / (time.perf_counter() - began):,.0f}",
                 micro=metrics.get("micro_batch_size"),
                 accum=metrics.get("accumulation_steps"),
             )
@@ -140,4 +173,6 @@ def fit_loop(
         raise
     finally:
         bar.close()
+        if isinstance(iterator, ReadAhead):  # its thread ends here, what it read is handed on
+            unread(iterator.close())  # type: ignore[misc]
     return state, history

@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive.cli.main import main
 from jax_adaptive.data import leading_size
-from jax_adaptive.train import main
 
 T = 8
 

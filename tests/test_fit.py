@@ -13,6 +13,7 @@ import pytest
 from helpers import assert_trees_close, full_batch_reference
 
 import jax_adaptive as ja
+from jax_adaptive.loop import fit_loop
 from jax_adaptive.update import OptimizerStepOutOfMemory
 
 T = 8
@@ -187,3 +188,24 @@ def test_fit_evaluates_every_n_updates_and_after_the_last():
         assert history[update - 1]["eval_examples"] == 13
     with pytest.raises(ValueError, match="eval_every needs eval_data"):
         t.fit(state, chunks(), eval_every=2, metric_fn=metric_fn)
+
+
+def test_the_one_loop_resumes_numbering_and_hands_back_what_it_read_ahead():
+    """The command line's needs of fit_loop: updates numbered after a resume's, batches read
+    ahead in a thread, and what was read and not trained on handed back, even on an error."""
+    stream, left, seen = iter(range(1, 11)), [], []
+
+    def step(state, batch):
+        if batch == 5:
+            raise ValueError("a bad batch")
+        return state + batch, {"loss": 0.0, "examples": 1}
+
+    with pytest.raises(ja.FitError) as info:
+        fit_loop(step, 0, stream, 6, start=10, read_ahead=3, unread=lambda u: left.extend(u.items),
+                 after_update=lambda u, s, m: {"seen": (u, s, m["examples"])},
+                 on_update=lambda u, m: seen.append(m["seen"]))  # fmt: skip
+    assert seen == [(11, 1, 1), (12, 3, 1), (13, 6, 1), (14, 10, 1)]
+    assert info.value.state == 10 and info.value.batch == 5
+    assert left + list(stream) == [6, 7, 8, 9, 10]  # nothing read is lost
+    with pytest.raises(ValueError, match="read_ahead needs unread"):
+        fit_loop(step, 0, [1], read_ahead=1)

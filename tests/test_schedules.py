@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
 
 import jax_adaptive as ja
-from jax_adaptive.checkpoint import Checkpoints
+from jax_adaptive.cli.checkpoints import Checkpoints
 from jax_adaptive.schedule import batch_schedule
 from jax_adaptive.testing import inject_oom
 

@@ -1,23 +1,31 @@
 import dataclasses
 import io
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jax_adaptive.cli import images
+from jax_adaptive.cli.config import check_config
+from jax_adaptive.cli.language_model import _stream
+from jax_adaptive.cli.main import TrainConfig, main, parse_bytes, train
+from jax_adaptive.cli.report import main as report_main
+from jax_adaptive.cli.report import write_report
+from jax_adaptive.cli.run import plan_note
 from jax_adaptive.data import synthetic_sequences
-from jax_adaptive.report import main as report_main
-from jax_adaptive.report import write_report
-from jax_adaptive.train import TrainConfig, main, parse_bytes, train
-from jax_adaptive.train_lm import _stream
+from jax_adaptive.errors import OptimizerStepOutOfMemory
+from jax_adaptive.testing import FaultInjector
 
 
 def _compiles(line, before):
@@ -45,12 +53,18 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
     held_out = [line for line in lines if line.startswith("held-out after update")]
     assert [int(line.split()[3].rstrip(":")) for line in held_out] == [5, 10, 12]
     summary = lines[-1]
-    assert summary.startswith(f"summary: plan {micro} x {steps}, search {searched} compiles")
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    compiles = sum(p["compiles"] for p in plan["plans"])  # every compile of the run
+    assert compiles >= searched
+    assert summary.startswith(f"summary: plan {micro} x {steps}, {compiles} compiles, ")
     assert "held-out loss" in summary and "1024 examples" in summary
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
                if x]  # fmt: skip
     mean = 256 * len(metrics) / sum(m["seconds"] for m in metrics)  # over the run
-    assert f"{mean:.0f} examples/s (mean over 12 updates)" in summary
+    steady = [b for a, b in itertools.pairwise(metrics) if a["compiles"] == b["compiles"]]
+    rate = 256 * len(steady) / sum(m["seconds"] for m in steady)  # after the first, no compile
+    assert f"{rate:.0f} examples/s steady ({len(steady)} updates that compiled nothing; " \
+        f"{mean:.0f} over all 12)" in summary  # fmt: skip
     assert summary.endswith(f"held-out loss {metrics[-1]['eval_loss']:.4f} accuracy "
                             f"{metrics[-1]['eval_accuracy']:.3f} (1024 examples)")  # fmt: skip
 
@@ -178,7 +192,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
 _MOCKED = """
 import sys
 import tensorflow_datasets as tfds
-from jax_adaptive.train import main
+from jax_adaptive.cli.main import main
 with tfds.testing.mock_data(num_examples=96, policy=tfds.testing.MockPolicy.USE_CODE):
     sys.exit(main(sys.argv[1:]))
 """
@@ -396,6 +410,18 @@ def test_a_users_model_that_breaks_the_contract_is_one_line_naming_the_flag(spec
     assert err.startswith(f"error: --model {spec!r}") and message in err, err
 
 
+def test_a_users_failing_factory_is_one_line_that_keeps_its_traceback():
+    config = TrainConfig(model="user_model:failing_model", updates=1, progress=False)
+    with pytest.raises(ValueError, match="the factory raised ZeroDivisionError") as info:
+        train(dataclasses.replace(config, plan_cache=False), out=io.StringIO())
+    cause = info.value.__cause__  # the user's own error, where it was raised
+    assert isinstance(cause, ZeroDivisionError), repr(cause)
+    assert traceback.extract_tb(cause.__traceback__)[-1].name == "failing_model"
+    with pytest.raises(ValueError, match="cannot import no_such_module") as info:
+        check_config(TrainConfig(model="no_such_module:make"))
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -444,3 +470,177 @@ def test_a_batch_schedule_grows_the_target_and_resumes_mid_schedule(tmp_path, ca
         (1, 16), (2, 16), (3, 64), (4, 64)
     ]  # fmt: skip
     assert all(m["micro_batch_size"] * m["accumulation_steps"] >= m["examples"] for m in lines)
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "extra"),
+    [
+        ("tensorflow_datasets", ["--dataset", "tfds:mnist", "--no-progress"], "tfds"),
+        ("matplotlib", None, "report"),  # python -m jax_adaptive.report WORKDIR
+    ],
+    ids=["tfds", "report"],
+)
+def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra, tmp_path,
+                                                            monkeypatch, capsys):  # fmt: skip
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    if argv is None:
+        (tmp_path / "plan.json").write_text('{"plans": []}')  # a run's workdir
+        assert report_main([str(tmp_path)]) == 2
+    else:
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pip install 'jax_adaptive[{extra}]'" in err, err
+
+
+def _metrics(workdir):
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_scheduled_run_counts_every_compile_says_its_steady_speed_and_each_plan_change(
+    tmp_path, capsys
+):
+    flags = ["--batch-schedule", "0:16,3:64", "--updates", "6", "--eval-every", "0"]
+    assert main([*flags, "--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    searched = _compiles(out[1], " sizes compiled")  # the plan line: the first search's
+    metrics = _metrics(tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    compiles = sum(p["compiles"] for p in plan["plans"])
+    assert compiles == metrics[-1]["compiles"] > searched  # the schedule's search counts too
+    summary = out[-1]
+    assert f", {compiles} compiles, " in summary, summary
+    # A line says the plan changed, before the update that changed it.
+    changed = metrics[3]["compiles"] - metrics[2]["compiles"]
+    was = f"{metrics[2]['micro_batch_size']} x {metrics[2]['accumulation_steps']} = 16"
+    note = (f"plan changed at update 4: micro-batch {metrics[3]['micro_batch_size']} x "
+            f"{metrics[3]['accumulation_steps']} = target batch 64 (was {was}: the batch "
+            f"schedule; {changed} size{'s' * (changed != 1)} compiled)")  # fmt: skip
+    assert out[out.index(note) + 1].startswith("update    4 "), out
+    assert [x for x in out if x.startswith("plan changed")] == [note]
+    # Steady: the updates after the first that compiled nothing, apart from the others.
+    steady = [b for a, b in itertools.pairwise(metrics) if a["compiles"] == b["compiles"]]
+    assert changed and len(steady) == 4, metrics
+    rate = sum(m["examples"] for m in steady) / sum(m["seconds"] for m in steady)
+    mean = sum(m["examples"] for m in metrics) / sum(m["seconds"] for m in metrics)
+    says = f"{rate:.0f} examples/s steady (4 updates that compiled nothing; {mean:.0f} over all 6)"
+    assert says in summary, summary
+    assert rate > mean  # the update that searched again is slower than the steady ones
+
+
+def _trainer_that(monkeypatch, update, do):
+    """Makes the image path's trainer call ``do(trainer, state)`` before its ``update``-th step."""
+    calls = [0]
+
+    class Trainer(images.AdaptiveTrainer):
+        def step(self, state, batch, **kwargs):
+            calls[0] += 1
+            if calls[0] == update:
+                do(self, state)
+            return super().step(state, batch, **kwargs)
+
+    monkeypatch.setattr(images, "AdaptiveTrainer", Trainer)
+    return calls
+
+
+def test_a_plan_that_shrinks_after_running_out_of_memory_says_so(monkeypatch, capsys):
+    def fail_twice(trainer, state):  # the fused last program, then the size itself
+        trainer.fault_hook = FaultInjector(executions={1, 2})
+
+    _trainer_that(monkeypatch, 3, fail_twice)
+    flags = ["--target-batch-size", "32", "--no-simulated-device", "--updates", "4"]
+    assert main([*flags, "--eval-every", "0", "--no-progress", "--no-plan-cache"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (note,) = [line for line in out if line.startswith("plan changed")]
+    said = re.fullmatch(
+        r"plan changed at update 3: micro-batch (\d+) x (\d+) = target batch 32 \(was 32 x 1 = "
+        r"32: a smaller micro-batch after running out of memory; \d+ sizes? compiled\)", note
+    )  # fmt: skip
+    assert said, note
+    micro, steps = int(said[1]), int(said[2])
+    assert micro < 32 <= micro * steps
+    assert out[out.index(note) + 1].startswith("update    3 "), out
+    assert out[out.index(note) + 1].endswith(f"micro-batch {micro}"), out
+
+
+@pytest.mark.parametrize(
+    ("before", "line", "says"),
+    [
+        (
+            (8, 4, 32),
+            {"micro_batch_size": 8, "accumulation_steps": 8, "examples": 64},
+            "(was 8 x 4 = 32: the batch schedule; 1 size compiled)",
+        ),
+        (
+            (8, 4, 32),
+            {"micro_batch_size": 4, "accumulation_steps": 8, "examples": 32},
+            "(was 8 x 4 = 32: a smaller micro-batch after running out of memory; 1 size compiled)",
+        ),
+        (
+            (8, 4, 32),
+            {"micro_batch_size": 16, "accumulation_steps": 2, "examples": 32},
+            "(was 8 x 4 = 32: a larger micro-batch fits; 1 size compiled)",
+        ),
+        ((8, 4, 32), {"micro_batch_size": 8, "accumulation_steps": 4, "examples": 32}, None),
+        (None, {"micro_batch_size": 8, "accumulation_steps": 4, "examples": 32}, None),
+    ],
+    ids=["schedule", "shrink", "grow", "same", "first"],
+)
+def test_plan_note_says_why_the_plan_changed(before, line, says):
+    note = plan_note(before, {"update": 5, **line}, compiled=1)
+    assert note == says if says is None else note.endswith(says), note
+
+
+def test_an_optimizer_step_out_of_memory_is_retried_and_the_run_goes_on(tmp_path, monkeypatch,
+                                                                        capsys):  # fmt: skip
+    flags = ["--model", "mlp", "--target-batch-size", "8", "--updates", "5", "--eval-every", "0"]
+    flags += ["--no-progress", "--no-plan-cache"]
+    assert main([*flags, "--workdir", str(tmp_path / "whole")]) == 0
+
+    def out_of_memory(trainer, state):
+        raise OptimizerStepOutOfMemory(state)  # its state: the update's intact start
+
+    calls = _trainer_that(monkeypatch, 3, out_of_memory)
+    assert main([*flags, "--workdir", str(tmp_path / "retried")]) == 0
+    assert calls[0] == 6  # update 3 ran twice
+    whole, retried = _metrics(tmp_path / "whole"), _metrics(tmp_path / "retried")
+    assert [m["update"] for m in retried] == [1, 2, 3, 4, 5]
+    assert [m["loss"] for m in retried] == pytest.approx([m["loss"] for m in whole], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "says"),
+    [
+        (
+            ValueError("a batch the trainer refuses"),
+            2,
+            "error: training stopped by ValueError: a batch the trainer refuses",
+        ),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ],
+    ids=["error", "ctrl-c"],
+)
+def test_a_stopped_run_checkpoints_its_last_update_and_resumes_as_if_uninterrupted(
+    tmp_path, monkeypatch, capsys, error, status, says
+):
+    flags = ["--model", "mlp", "--target-batch-size", "8", "--eval-every", "0"]
+    flags += ["--no-progress", "--no-plan-cache", "--checkpoint-every", "10"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert main([*flags, "--updates", "6", "--workdir", str(whole)]) == 0
+
+    def stop(trainer, state):
+        raise error
+
+    with monkeypatch.context() as patch:
+        _trainer_that(patch, 4, stop)
+        capsys.readouterr()
+        assert main([*flags, "--updates", "6", "--workdir", str(stopped)]) == status
+    out, err = capsys.readouterr()
+    assert "stopped after update 3: checkpointed it; --resume goes on from there" in out, out
+    assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["3"]
+    assert err == says + "\n", err
+    assert main([*flags, "--updates", "6", "--workdir", str(stopped), "--resume"]) == 0
+    assert "resumed at update 3" in capsys.readouterr().out
+    assert [m["update"] for m in _metrics(stopped)] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(jax.tree.leaves(_final_params(whole, 6)),
+                    jax.tree.leaves(_final_params(stopped, 6)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -48,3 +48,8 @@ def mean_loss_model(num_classes):
 def not_a_pair(num_classes):
     """Another: the factory returns the model alone."""
     return CNN(num_classes=num_classes)
+
+
+def failing_model(num_classes):
+    """A factory whose own code fails: its traceback must reach the user."""
+    return CNN(num_classes=num_classes // 0), cross_entropy

@@ -4,7 +4,7 @@ The zoo's small GPT trains on synthetic sequences of log-normal lengths
 (`jax_adaptive.data.synthetic_sequences`) through a `BucketedTrainer`: power-of-two buckets
 up to ``--max-length``, ``--target-tokens`` padded tokens per update, each bucket's
 plan searched on its first use, and the loss weighted per real token. The workdir and
-the loop are `jax_adaptive.run`'s; ``plan.json`` holds one plan per bucket planned.
+the loop are `jax_adaptive.cli.run`'s; ``plan.json`` holds one plan per bucket planned.
 
 With ``--workdir`` it checkpoints the state and the stream's position (the sequences
 read) every ``--checkpoint-every`` updates. ``--resume`` goes on from the latest
@@ -22,21 +22,14 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
 from jax_adaptive.buckets import BucketBatch, BucketedTrainer, bucket_batches, pow2_buckets
+from jax_adaptive.cli.config import TrainConfig, check_config, make_optimizer
+from jax_adaptive.cli.run import RunHooks, run_path, speed_text
+from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.distributed import data_mesh
 from jax_adaptive.models import GPT, gpt_token_loss
-from jax_adaptive.run import (
-    TrainConfig,
-    Workdir,
-    check_config,
-    host_loop,
-    make_optimizer,
-    plan_entry,
-    run_path,
-)
 from jax_adaptive.step import TrainState
 
 __all__ = ["train_gpt"]
@@ -133,6 +126,15 @@ def _plans(trainer: BucketedTrainer) -> dict[str, Any]:
     }
 
 
+def _bucket_line(entry: dict[str, Any]) -> str:
+    """The line of a bucket planned on its first use."""
+    return (
+        f"bucket {entry['bucket']}: micro-batch {entry['micro_batch_size']} x "
+        f"{entry['accumulation_steps']} = {entry['examples_per_update']} sequences; "
+        f"{entry['compiles']} sizes compiled in {entry['seconds']:.1f}s"
+    )
+
+
 def _gpt_line(line: dict[str, Any]) -> str:
     return (
         f"update {line['update']:4d}  bucket {line['bucket']:4d}  loss {line['loss']:.4f}  "
@@ -165,50 +167,56 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
     if done:
         print(f"resumed at update {done} ({position} sequences of the stream read)", file=out)
     consumed = [position]  # the sequences read by the last batch trained on
-    printed = 0
-    start = time.perf_counter()
+
+    def compiles() -> int:
+        return sum(trainer.trainers[b].compiles for b in trainer.trainers)
 
     def step(
         state: TrainState, drawn: tuple[BucketBatch, int]
     ) -> tuple[TrainState, dict[str, Any]]:
-        nonlocal printed
+        tick = time.perf_counter()
         batch, read = drawn
         state, metrics = trainer.step(state, batch)
-        consumed[0] = read
-        metrics = jax.device_get(metrics)
-        for entry in trainer.bucket_log[printed:]:  # the buckets planned since the last
-            tqdm.tqdm.write(
-                f"bucket {entry['bucket']}: micro-batch {entry['micro_batch_size']} x "
-                f"{entry['accumulation_steps']} = {entry['examples_per_update']} sequences; "
-                f"{entry['compiles']} sizes compiled in {entry['seconds']:.1f}s",
-                file=out,
-            )
-        printed = len(trainer.bucket_log)
+        metrics = jax.device_get(metrics)  # blocks: the time below is the update's
+        seconds = time.perf_counter() - tick
+        consumed[0] = read  # trained on
         return state, {
             "loss": float(metrics["loss"]), "bucket": int(metrics["bucket"]),
             "tokens": int(metrics["tokens"]), "padded_tokens": int(metrics["padded_tokens"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": int(metrics["accumulation_steps"]),
+            "examples": int(metrics["examples"]), "seconds": seconds, "compiles": compiles(),
         }  # fmt: skip
 
-    _, lines = host_loop(
-        step, state, batches, config, done=done, updates=config.updates, describe=_gpt_line,
+    printed = 0  # the buckets whose line was printed
+
+    def describe(line: dict[str, Any]) -> str:
+        nonlocal printed
+        planned = trainer.bucket_log[printed:]  # the buckets planned since the last line
+        printed = len(trainer.bucket_log)
+        return "\n".join([*map(_bucket_line, planned), _gpt_line(line)])
+
+    hooks = RunHooks(
+        config, done=done, updates=config.updates, describe=describe,
         plans=lambda: _plans(trainer), workdir=workdir, position=lambda: consumed[0], out=out,
+        compiles=compiles(),
     )  # fmt: skip
-    seconds = time.perf_counter() - start
+    hooks.run(step, state, batches)
+    lines = hooks.lines
     tokens = sum(line["tokens"] for line in lines)
     padded = sum(line["padded_tokens"] for line in lines)
     return {
         "buckets": trainer.bucket_log,
-        "compiles": sum(b["compiles"] for b in trainer.bucket_log),
+        "compiles": compiles(),  # plan.json's: every bucket's searches and re-plans
         "losses": [line["loss"] for line in lines],
-        "tokens_per_s": tokens / seconds,
+        "updates": len(lines),
+        **hooks.timing("tokens"),
         "padding_share": 1.0 - tokens / padded if padded else 0.0,
     }
 
 
 def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains the small GPT with a token budget per update; see `jax_adaptive.train.train`.
+    """Trains the small GPT with a token budget per update; see `jax_adaptive.cli.main.train`.
 
     Returns:
         A summary: each bucket's plan, the search compiles, the losses and the padding.
@@ -231,7 +239,7 @@ def _summary_line(summary: dict[str, Any]) -> str:
     losses = summary["losses"]
     return (
         f"summary: {len(summary['buckets'])} buckets planned with {summary['compiles']} "
-        f"compiles, {summary['tokens_per_s']:.0f} tokens/s (including the searches), "
+        f"compiles, {speed_text(summary, 'tokens', summary['updates'])}, "
         f"padding {summary['padding_share']:.1%}, final loss "
         + (f"{losses[-1]:.4f}" if losses else "n/a")
     )

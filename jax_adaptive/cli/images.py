@@ -1,216 +1,43 @@
 """The command line's image path: a zoo or user's image model on synthetic images or TFDS.
 
-`train_images` builds the model (`image_model`: the zoo's, or ``package.module:factory``)
-and an `AdaptiveTrainer` from a `jax_adaptive.run.TrainConfig`, simulates a small device
+`train_images` builds the model (`jax_adaptive.cli.image_models.image_model`) and an
+`AdaptiveTrainer` from a `jax_adaptive.cli.config.TrainConfig`, simulates a small device
 on a CPU with no memory limit, plans, resumes from the workdir's latest checkpoint when
-asked, and trains through the shared `jax_adaptive.run.host_loop`, evaluating the
-held-out split (`jax_adaptive.datasets.load_held_out`) every ``eval_every`` updates.
+asked, and trains through the one loop with the command line's hooks
+(`jax_adaptive.cli.run.RunHooks`), evaluating the held-out split
+(`jax_adaptive.cli.datasets.load_held_out`) every ``eval_every`` updates.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_adaptive import models
-from jax_adaptive.datasets import (
+from jax_adaptive.cli.config import TrainConfig, check_config, make_optimizer
+from jax_adaptive.cli.datasets import (
     ShuffledBatches,
     Source,
     all_examples,
     load_held_out,
     load_source,
 )
+from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
+from jax_adaptive.cli.run import RunHooks, run_path, speed_text
+from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.distributed import data_mesh
-from jax_adaptive.run import (
-    IMAGE_MODELS,
-    TrainConfig,
-    Workdir,
-    check_config,
-    host_loop,
-    load_factory,
-    make_optimizer,
-    plan_entry,
-    run_path,
-)
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
-__all__ = ["ImageModel", "image_model", "train_images"]
+__all__ = ["train_images"]
 
 
 _RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_rate", "seed")
-
-GHOST_BATCH_SIZE = 32
-"""The examples each BatchNorm statistic of the ResNets is computed over, by default."""
-
-
-def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | None:
-    """The ghost batch of a model with BatchNorm: the same training on any device.
-
-    The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (every size
-    of a batch-size schedule, and a fixed micro-batch), at least 8; None
-    (per-micro-batch statistics) for a model without batch statistics, when no such
-    divisor exists, or in a data-parallel run (a micro-batch's groups, run one after
-    another, would each sit on one device).
-
-    Examples:
-        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96),
-        ...                  ("batch_stats",))
-        32
-        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100),
-        ...                  ("batch_stats",)) is None
-        True
-    """
-    if not mutable or config.data_parallel:
-        return None
-    fixed = config.micro_batch_size if isinstance(config.micro_batch_size, int) else 0
-    size = math.gcd(GHOST_BATCH_SIZE, *config.target_sizes(), fixed)
-    return size if size >= 8 else None
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageModel:
-    """An image classifier as the image path trains and evaluates it.
-
-    Attributes:
-        module: the Flax linen module (images ``[m, H, W, C]`` to logits).
-        mutable: the collections training updates (Flax ``batch_stats``), or ``()``.
-        loss_fn: the trainer's per-example loss, with accuracy as aux (``has_aux``;
-            ``has_state`` when ``mutable``).
-        metric_fn: held-out per-example ``loss`` and ``accuracy`` in evaluation mode, as
-            `jax_adaptive.AdaptiveTrainer.evaluate` takes it.
-        init_kwargs: keyword arguments of ``module.init`` besides the images.
-        ghost: the ghost batch of its BatchNorm, or None.
-    """
-
-    module: nn.Module
-    mutable: tuple[str, ...]
-    loss_fn: Callable[..., Any]
-    metric_fn: Callable[..., Any]
-    init_kwargs: dict[str, Any]
-    ghost: int | None = None
-
-
-def _metric_fn(eval_loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
-    """Held-out ``{"loss", "accuracy"}`` per example from an evaluation-mode loss."""
-    if stateful:
-
-        def with_state(params: Any, model_state: Any, batch: Any) -> dict[str, Any]:
-            (losses, aux), _ = eval_loss(params, model_state, batch, jax.random.key(0))
-            return {"loss": losses, "accuracy": aux["accuracy"]}
-
-        return with_state
-
-    def metric_fn(params: Any, batch: Any) -> dict[str, Any]:
-        losses, aux = eval_loss(params, batch, jax.random.key(0))
-        return {"loss": losses, "accuracy": aux["accuracy"]}
-
-    return metric_fn
-
-
-def _zoo_model(config: TrainConfig, num_classes: int) -> ImageModel:
-    module_type, mutable = IMAGE_MODELS[config.model]
-    module = module_type(num_classes=num_classes)
-    ghost = _ghost_batch_size(config, mutable)
-    loss_fn = models.linen_classifier_loss(module, mutable=mutable, ghost_batch_size=ghost)
-    eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False)
-    return ImageModel(module, mutable, loss_fn, _metric_fn(eval_loss, bool(mutable)), {}, ghost)
-
-
-def _user_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
-    """The model of ``--model package.module:factory``, checked on ``example`` (one-line errors)."""
-    spec = config.model
-    made = _guarded(spec, "the factory", lambda: load_factory(spec)(num_classes))
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)
-            and callable(made[1])):  # fmt: skip
-        raise ValueError(
-            f"--model {spec!r}: the factory must return (a flax.linen Module, "
-            f"loss(logits, labels) -> per-example losses); it returned {_kind(made)}."
-        )
-    module, loss = made
-    init_kwargs = models.train_kwargs(module, False)
-    images = jnp.asarray(example["image"][:1])
-    variables = _guarded(  # shapes only: `_start` initialises the model it trains
-        spec,
-        "model.init",
-        lambda: jax.eval_shape(lambda: module.init(jax.random.key(0), images, **init_kwargs)),
-    )
-    mutable = tuple(name for name in variables if name != "params")
-    loss_fn = models.linen_classifier_loss(module, mutable=mutable, loss=loss)
-    two = {k: jnp.concatenate([jnp.asarray(v[:1])] * 2) for k, v in example.items()}
-    state = {k: v for k, v in variables.items() if k != "params"}
-    key = jax.random.key(0)
-    args = (variables["params"], state, two, key) if mutable else (variables["params"], two, key)
-    out = _guarded(spec, "the loss", lambda: jax.eval_shape(loss_fn, *args))
-    losses = out[0][0] if mutable else out[0]
-    if np.shape(losses) != (2,):
-        raise ValueError(
-            f"--model {spec!r}: the loss must return one value per example, shape (2,) for "
-            f"2 examples; it returned shape {np.shape(losses)} (drop its mean)."
-        )
-    eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False, loss=loss)
-    metric_fn = _metric_fn(eval_loss, bool(mutable))
-    return ImageModel(module, mutable, loss_fn, metric_fn, init_kwargs)
-
-
-def _guarded(spec: str, what: str, call: Callable[[], Any]) -> Any:
-    """``call()``, its error (any but a bad flag's own) one line naming ``--model``."""
-    try:
-        return call()
-    except ValueError as exc:
-        if str(exc).startswith("--model"):
-            raise
-        error: Exception = exc
-    except Exception as exc:
-        error = exc
-    first = str(error).splitlines()[0] if str(error) else ""
-    raise ValueError(f"--model {spec!r}: {what} raised {type(error).__name__}: {first}") from None
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, tuple):
-        return f"a tuple of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
-
-
-def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
-    """The zoo model ``config.model`` names, or the user's from ``package.module:factory``.
-
-    A factory is called with the number of classes and returns ``(module, loss)``: a
-    Flax linen module from images ``[m, H, W, C]`` to logits ``[m, classes]`` (given
-    ``train=`` when its ``__call__`` takes it; collections besides ``params``, such as
-    ``batch_stats``, are updated in training) and ``loss(logits, labels)``, one loss per
-    example.
-
-    Raises:
-        ValueError: one line naming ``--model`` when the factory, its module or its loss
-            does not keep that contract.
-
-    Examples:
-        >>> from jax_adaptive.datasets import SyntheticSource
-        >>> model = image_model(TrainConfig(model="mlp"), 10, SyntheticSource(2)[0])
-        >>> type(model.module).__name__, model.mutable
-        ('MLP', ())
-    """
-    if ":" in config.model:
-        return _user_model(
-            config, num_classes, {k: np.asarray(v)[None] for k, v in example.items()}
-        )
-    return _zoo_model(config, num_classes)
-
-
-def _multiple(config: TrainConfig, model: ImageModel) -> int:
-    """What every micro-batch size is a multiple of: ``--multiple-of`` and the ghost batch."""
-    return math.lcm(config.multiple_of or 1, model.ghost or 1)
 
 
 def _image_trainer(
@@ -222,7 +49,7 @@ def _image_trainer(
         target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size,
         memory_limit=memory_limit,
-        multiple_of=_multiple(config, model),
+        multiple_of=multiple_of(config, model),
         has_aux=True,
         has_state=bool(model.mutable),
         objective=config.objective,
@@ -262,7 +89,7 @@ def _simulated_limit(config: TrainConfig, model: ImageModel, params: Any, state:
         has_aux=True, has_state=bool(model.mutable), plan_cache=False,
     )  # fmt: skip
     probe.init(params, example, model_state=state)
-    small = probe.ledger(min(T, _multiple(config, model)))
+    small = probe.ledger(min(T, multiple_of(config, model)))
     whole = probe.ledger(T).total
     limit = max(small.total + (whole - small.total) // SIMULATED_SHARE, small.total + small.state)
     return limit, probe.compiles, time.perf_counter() - start
@@ -385,27 +212,31 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     ) -> tuple[TrainState, dict[str, Any]]:
         tick = time.perf_counter()
         T = trainer.target_batch_size  # of the state it returned last
-        batch, consumed[0] = drawn
+        batch, read = drawn
         state, metrics = trainer.step(state, batch)
         loss = float(metrics["loss"])  # blocks: the time below is the update's
         seconds = time.perf_counter() - tick
+        consumed[0] = read  # trained on
         scheduled = {} if config.batch_schedule is None else {"target_batch_size": T}
         return state, {
             "loss": loss, "train_accuracy": float(metrics["accuracy"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": int(metrics["accumulation_steps"]), **scheduled,
             "examples": T, "examples_per_s": T / seconds, "seconds": seconds,
+            "compiles": trainer.compiles,
         }  # fmt: skip
 
     def plans() -> dict[str, Any]:
         return {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]}
 
-    state, lines = host_loop(
-        step, state, _scheduled(batches, trainer.schedule, done), config, done=done,
-        updates=updates, describe=_image_line, plans=plans, workdir=workdir,
-        position=lambda: consumed[0], out=out, evaluate=evaluate,
+    hooks = RunHooks(
+        config, done=done, updates=updates, describe=_image_line, plans=plans, workdir=workdir,
+        position=lambda: consumed[0], out=out, evaluate=evaluate, compiles=trainer.compiles,
+        plans_now={None: (trainer.micro_batch_size, trainer.accumulation_steps,
+                          trainer.target_batch_size)},
     )  # fmt: skip
-    return _summary(trainer, search, lines)
+    hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
+    return _summary(trainer, search, hooks)
 
 
 def _scheduled(
@@ -434,10 +265,8 @@ def _updates_in(examples: float, schedule: Any) -> int:
     return max(1, updates)
 
 
-def _summary(
-    trainer: AdaptiveTrainer, search: dict[str, Any], lines: list[dict[str, Any]]
-) -> dict[str, Any]:
-    seconds = sum(line["seconds"] for line in lines)
+def _summary(trainer: AdaptiveTrainer, search: dict[str, Any], hooks: RunHooks) -> dict[str, Any]:
+    lines = hooks.lines
     evaluated = [line for line in lines if "eval_loss" in line]
     return {
         "micro_batch_size": trainer.micro_batch_size,
@@ -445,8 +274,8 @@ def _summary(
         **search,
         "from_plan_cache": search["from_plan_cache"] is not None,
         "plan_cache": search["from_plan_cache"],
-        "compiles_total": trainer.compiles,
-        "examples_per_s": sum(line["examples"] for line in lines) / seconds if lines else 0.0,
+        "compiles_total": trainer.compiles,  # plan.json's: the search's and every re-plan's
+        **hooks.timing("examples"),
         "target_batch_sizes": [line["examples"] for line in lines],
         "updates": len(lines),
         "losses": [line["loss"] for line in lines],
@@ -491,13 +320,19 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
 
 def _summary_line(summary: dict[str, Any]) -> str:
     losses, held_out = summary["losses"], summary["held_out"]
+    planning = summary["search_seconds"] + summary["compiling_seconds"]
     return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
         + _sizes_text(summary["target_batch_sizes"])
-        + f"search {summary['compiles']} compiles in {summary['search_seconds']:.1f}s"
-        + (" (from the plan cache)" if summary["from_plan_cache"] else "")
-        + f", {summary['examples_per_s']:.0f} examples/s (mean over {summary['updates']} "
-        "updates), final "
+        + f"{summary['compiles_total']} compiles"
+        + (" (the plan from the plan cache)" if summary["from_plan_cache"] else "")
+        + f", {planning:.1f}s planning (the search"
+        + (f" and {summary['compiling_updates']} update"
+           f"{'s' * (summary['compiling_updates'] != 1)} that compiled"
+           if summary["compiling_updates"] else "")
+        + "), "
+        + speed_text(summary, "examples", summary["updates"])
+        + ", final "
         + (f"loss {losses[-1]:.4f} train_accuracy {summary['train_accuracy']:.3f}" if losses
            else "loss n/a")
         + (f", held-out loss {held_out['loss']:.4f} accuracy {held_out['accuracy']:.3f} "

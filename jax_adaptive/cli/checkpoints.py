@@ -3,15 +3,22 @@
 A checkpoint is written atomically (orbax renames a finished temporary directory), so a
 process killed mid-save leaves the previous checkpoint as the latest. Each one records
 a SHA-256 digest of its arrays, its update and its data position; restoring recomputes
-it from what was read. A checkpoint that is damaged (a flipped byte, a missing or empty
-directory, a digest that disagrees, a data position that is not its update's) is moved
-aside to ``<directory>-damaged/`` with a warning, and the newest intact one is used.
-Resuming checks that the checkpoint's config is the one being run.
+it from what was read. Resuming checks that the checkpoint's config is the one being run.
+
+Only a checkpoint whose contents fail an integrity check (`damage`: a missing or empty
+file, bytes that do not decode, a digest that disagrees, a data position that is not its
+update's) is moved aside, to ``<directory>-damaged/``, with a warning, and the newest
+intact one is used. Any other error while reading one (an ``OSError`` such as ``EIO``
+from a network filesystem, a host ``MemoryError``, a ``TypeError`` from another orbax)
+may pass: it propagates with its traceback and the checkpoint stays where it is. A
+directory whose checkpoints were all moved aside is not resumed from nothing: `restore`
+refuses, saying where they went.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 import warnings
@@ -26,7 +33,7 @@ import orbax.checkpoint as ocp
 from jax_adaptive.distributed import place
 from jax_adaptive.step import TrainState
 
-__all__ = ["Checkpoints", "state_digest"]
+__all__ = ["Checkpoints", "damage", "state_digest"]
 
 
 def _to_saved(state: TrainState) -> dict[str, Any]:
@@ -53,6 +60,50 @@ def state_digest(tree: Any, update: int, position: int) -> str:
 
 class _Damaged(Exception):
     """A checkpoint that cannot be trusted; the message says why."""
+
+
+# tensorstore's status for bytes it could not decode, a range or key not in a file, and
+# a compressed stream that does not decompress: what a flipped, truncated or deleted file
+# of an orbax checkpoint gave (each measured). UNAVAILABLE, UNKNOWN, ... may pass.
+_DAMAGE_STATUSES = ("DATA_LOSS:", "OUT_OF_RANGE:", "NOT_FOUND:", "FAILED_PRECONDITION:")
+
+
+def damage(exc: BaseException) -> str | None:
+    """What ``exc``, raised while reading a checkpoint, says is wrong with its contents.
+
+    None for every error that is not about the contents: an ``OSError`` other than a
+    missing file (``EIO`` from a network filesystem), a ``MemoryError``, a
+    ``TypeError``, tensorstore's ``UNAVAILABLE``; such an error may pass, so the
+    checkpoint must stay where it is.
+
+    Examples:
+        >>> damage(ValueError("DATA_LOSS: Error decoding manifest: CRC-32C checksum"))
+        'tensorstore reports DATA_LOSS'
+        >>> damage(FileNotFoundError(2, "No such file")), damage(OSError(5, "I/O error"))
+        ('a file is missing', None)
+    """
+    if isinstance(exc, FileNotFoundError):
+        return "a file is missing"
+    if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
+        return f"a file does not decode ({type(exc).__name__})"
+    if type(exc) is ValueError and str(exc).startswith(_DAMAGE_STATUSES):
+        return f"tensorstore reports {str(exc).split(':')[0]}"
+    return None
+
+
+def _missing_or_empty(step: Path) -> str | None:
+    """What is missing or empty in a checkpoint's directory (None: nothing).
+
+    Both items (``meta``, ``state``) must hold files, and no file may be empty (orbax
+    writes none).
+    """
+    for item in ("meta", "state"):
+        if not (step / item).is_dir() or not any((step / item).iterdir()):
+            return f"its {item} is missing or empty"
+    for path in sorted(step.rglob("*")):
+        if path.is_file() and path.stat().st_size == 0:
+            return f"{path.relative_to(step)} is empty"
+    return None
 
 
 class Checkpoints:
@@ -122,44 +173,83 @@ class Checkpoints:
     def restore(self, like: TrainState) -> tuple[TrainState, int] | None:
         """The newest intact state (shaped and placed like ``like``) and data position.
 
-        A damaged checkpoint is moved aside with a warning and the next older one tried.
+        A checkpoint that fails an integrity check (`damage`) is moved aside with a
+        warning and the next older one tried; any other error propagates, every
+        checkpoint left in place.
 
         Returns:
-            ``(state, position)``, or None when there is no checkpoint.
+            ``(state, position)``, or None when there is no checkpoint and none was
+            ever moved aside.
 
         Raises:
-            ValueError: when the checkpoint was written by a run of another config, or
-                when checkpoints exist but none is intact.
+            ValueError: when the checkpoint was written by a run of another config or
+                holds a state of another structure, or when checkpoints were moved aside
+                and none intact is left.
         """
         self._manager.wait_until_finished()
-        steps = sorted(self._manager.all_steps(), reverse=True)
-        damaged = []
-        for update in steps:
+        for update in sorted(self._manager.all_steps(), reverse=True):
             try:
                 return self._restore(update, like)
             except _Damaged as exc:
-                damaged.append(update)
                 aside = self._move_aside(update)
                 warnings.warn(
                     f"checkpoint {update} in {self.directory} is damaged ({exc}); moved it to "
                     f"{aside} and trying the one before it.",
                     stacklevel=2,
                 )
-        if damaged:
-            raise ValueError(
-                f"no intact checkpoint in {self.directory} (damaged: {damaged}); "
-                "start afresh in a new --workdir."
-            )
+        self.check_resumable()
         return None
 
-    def _restore(self, update: int, like: TrainState) -> tuple[TrainState, int]:
+    def check_resumable(self) -> None:
+        """Refuses (one-line `ValueError`) when every checkpoint was moved aside as damaged.
+
+        Examples:
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     ckpt = Checkpoints(Path(tmp) / "ckpt", {"seed": 0})
+            ...     (Path(tmp) / "ckpt-damaged" / "4-20260101T000000").mkdir(parents=True)
+            ...     ckpt.check_resumable()
+            Traceback (most recent call last):
+            ValueError: no intact checkpoint in ...: the damaged ones are in ...
+        """
+        if self.latest() is None and self.aside():
+            raise ValueError(
+                f"no intact checkpoint in {self.directory}: the damaged ones are in "
+                f"{self.aside_directory} ({', '.join(p.name for p in self.aside())}); move "
+                "one back if it is intact, or start afresh in a new --workdir."
+            )
+
+    @property
+    def aside_directory(self) -> Path:
+        """Where damaged checkpoints are moved: ``<directory>-damaged``."""
+        return self.directory.with_name(self.directory.name + "-damaged")
+
+    def aside(self) -> list[Path]:
+        """The checkpoints moved aside as damaged, by name (update, then when)."""
+        if not self.aside_directory.is_dir():
+            return []
+        return sorted(self.aside_directory.iterdir())
+
+    def _read(self, update: int, item: str, args: Any) -> Any:
+        """A checkpoint's item (arrays on the host); an error `damage` names is `_Damaged`."""
         try:
-            meta = self._manager.restore(
-                update, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            )["meta"]
-            run, position = meta["run"], int(meta["position"])
-        except Exception as exc:  # orbax raises many types for unreadable data
-            raise _Damaged(f"its metadata cannot be read: {type(exc).__name__}") from exc
+            restored = self._manager.restore(update, args=ocp.args.Composite(**{item: args}))
+            return restored[item] if item == "meta" else jax.tree.map(np.asarray, restored[item])
+        except Exception as exc:
+            reason = damage(exc)
+            if reason is None:
+                raise  # may pass: the checkpoint stays
+            raise _Damaged(f"its {item} cannot be read: {reason}") from exc
+
+    def _restore(self, update: int, like: TrainState) -> tuple[TrainState, int]:
+        reason = _missing_or_empty(self.directory / str(update))
+        if reason is not None:
+            raise _Damaged(reason)
+        meta = self._read(update, "meta", ocp.args.JsonRestore())
+        try:  # our own record: a structure other than ours is damage
+            run, position = dict(meta["run"]), int(meta["position"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Damaged(f"its metadata is not ours ({type(exc).__name__}: {exc})") from exc
         if run != self.run:
             diff = {k: (run.get(k), v) for k, v in self.run.items() if run.get(k) != v}
             raise ValueError(
@@ -168,13 +258,18 @@ class Checkpoints:
             )
         target = _to_saved(like)
         try:
-            restored = self._manager.restore(
-                update, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-            )["state"]["state"]
-            arrays = jax.tree.map(np.asarray, jax.tree.leaves(restored))
-        except Exception as exc:
-            raise _Damaged(f"its arrays cannot be read: {type(exc).__name__}") from exc
-        saved = jax.tree.unflatten(jax.tree.structure(target["state"]), arrays)
+            restored = self._read(update, "state", ocp.args.StandardRestore(target))["state"]
+        except ValueError as exc:
+            if not str(exc).startswith("pytree structure error"):
+                raise
+            if not (self.directory / str(update) / "state" / "_METADATA").is_file():
+                raise _Damaged("its state/_METADATA is missing") from exc
+            raise ValueError(
+                f"checkpoint {update} in {self.directory} holds a state of another structure "
+                "than this run's (changed code?); resume with the code that wrote it or use "
+                "a new --workdir."
+            ) from exc
+        saved = jax.tree.unflatten(jax.tree.structure(target["state"]), jax.tree.leaves(restored))
         if "sha256" in meta and state_digest({"state": saved}, update, position) != meta["sha256"]:
             raise _Damaged("its arrays, update or position differ from what was saved")
         per_update = self.examples_per_update
@@ -194,9 +289,7 @@ class Checkpoints:
     def _move_aside(self, update: int) -> Path:
         """Moves a damaged step out of orbax's directory (a later save may reuse its number)."""
         source = self.directory / str(update)
-        target = self.directory.with_name(self.directory.name + "-damaged") / (
-            f"{update}-{time.strftime('%Y%m%dT%H%M%S')}"
-        )
+        target = self.aside_directory / f"{update}-{time.strftime('%Y%m%dT%H%M%S')}"
         if source.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(source, target)

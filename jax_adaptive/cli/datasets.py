@@ -2,9 +2,10 @@
 
 A source is anything with ``len`` and integer indexing that returns one example as a dict
 of arrays: the synthetic images, or a prepared TFDS dataset read through
-``tfds.data_source`` (array_record, no TensorFlow). `ShuffledBatches` draws target
-batches from a source in a seeded per-epoch order, and can start at any example index,
-so a resumed run reads exactly the examples an uninterrupted one would.
+``tfds.data_source`` (array_record, no TensorFlow; the package's ``tfds`` extra installs
+it). `ShuffledBatches` draws target batches from a source in a seeded per-epoch order,
+and can start at any example index, so a resumed run reads exactly the examples an
+uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jax_adaptive.cli.extras import import_extra
 from jax_adaptive.data import synthetic_images
 
 __all__ = [
@@ -80,8 +82,9 @@ def load_source(
     """Opens ``"synthetic"`` or ``"tfds:NAME"`` (an image dataset with image and label).
 
     Raises:
-        ValueError: for an unknown dataset name, or TFDS data that is not prepared (or
-            prepared as TFRecord, which random access cannot read), saying how to fix it.
+        ValueError: for an unknown dataset name, a TFDS one without tensorflow-datasets
+            installed, or TFDS data that is not prepared (or prepared as TFRecord, which
+            random access cannot read), saying how to fix it.
 
     Examples:
         >>> len(load_source("synthetic"))
@@ -91,8 +94,7 @@ def load_source(
         return SyntheticSource(8192, seed=seed)
     if not dataset.startswith("tfds:") or not dataset[5:]:
         raise ValueError(f"unknown dataset {dataset!r}; use 'synthetic' or 'tfds:NAME'.")
-    import tensorflow_datasets as tfds
-
+    tfds = import_extra("tensorflow_datasets", "tfds", f"--dataset {dataset}")
     name = dataset[5:]
     try:
         source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
@@ -103,7 +105,7 @@ def load_source(
             f"{str(exc).splitlines()[0]}. Prepare it as array_record on a machine with "
             f"network: `tfds build {name} --file_format=array_record --data_dir DIR`, then "
             "pass --data-dir DIR."
-        ) from None
+        ) from exc
     return _Images(source)
 
 
@@ -127,7 +129,7 @@ def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -
     try:
         return load_source(dataset, data_dir=data_dir, split="test")
     except ValueError as exc:
-        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from None
+        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from exc
 
 
 def all_examples(source: Source) -> dict[str, np.ndarray]:

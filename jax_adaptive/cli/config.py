@@ -1,0 +1,237 @@
+"""What a command-line run trains: `TrainConfig` (one field per flag) and its checks.
+
+`check_config` refuses, in one line naming the flag, a config no path can run, before
+anything is built; `load_factory` imports ``--model package.module:factory`` and
+`make_optimizer` builds ``--optimizer``. The flags are parsed in
+`jax_adaptive.cli.main`; the run itself is `jax_adaptive.cli.images` (image models) or
+`jax_adaptive.cli.language_model` (``--model gpt``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optax
+
+from jax_adaptive import checks, models
+from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
+
+__all__ = [
+    "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES", "TrainConfig",
+    "check_config", "load_factory", "make_optimizer",
+]  # fmt: skip
+
+IMAGE_MODELS = {  # each zoo image model and the variables it mutates
+    "cnn": (models.CNN, ()),
+    "mlp": (models.MLP, ()),
+    "resnet-tiny": (models.ResNetTiny, ("batch_stats",)),
+    "resnet18": (models.ResNet18, ("batch_stats",)),
+    "resnet50": (models.ResNet50, ("batch_stats",)),
+    "vit-micro": (models.ViTMicro, ()),
+    "vit-tiny": (models.ViTTiny, ()),
+}
+_OPTIMIZERS = {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}
+MODEL_NAMES = (*IMAGE_MODELS, "gpt")  # the choices of --model
+OPTIMIZER_NAMES = tuple(_OPTIMIZERS)  # the choices of --optimizer
+OBJECTIVES = ("least_padding", "max", "throughput")  # the choices of --objective
+_MAX_T = checks.MAX_TARGET_BATCH_SIZE  # the largest target batch the micro-step counts
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What a run trains; every field is a command-line flag.
+
+    Examples:
+        >>> TrainConfig(model="mlp", updates=3).target_batch_size
+        256
+    """
+
+    model: str = "cnn"
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    target_batch_size: int = 256
+    batch_schedule: str | None = None  # "0:64,20:256": the target batch grows (image models)
+    micro_batch_size: int | str = "auto"
+    memory_limit: int | None = None
+    optimizer: str = "adam"
+    learning_rate: float = 3e-3
+    updates: int = 20
+    epochs: float | None = None
+    seed: int = 0
+    objective: str = "least_padding"
+    multiple_of: int | None = None  # None: the ghost batch of a BatchNorm model, else 1
+    eval_every: int = 10  # held-out evaluation every N updates and at the end; 0: none
+    simulate_device: bool = True  # a CPU with no memory_limit simulates a small device
+    plan_cache: str | bool | None = None  # None: the default file; False: none
+    compilation_cache: str | None = None
+    workdir: str | None = None
+    resume: bool = False
+    checkpoint_every: int = 10
+    progress: bool = True
+    target_tokens: int | None = None  # --model gpt: padded tokens per update
+    max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
+    data_parallel: bool = False  # split each micro-batch over all devices
+
+    def schedule(self) -> BatchSchedule:
+        """The target batch size per update: ``batch_schedule``'s, else the constant.
+
+        Examples:
+            >>> TrainConfig(batch_schedule="0:64,20:256").schedule()(20)
+            256
+        """
+        if self.batch_schedule is None:
+            return BatchSchedule(self.target_batch_size)
+        return parse_batch_schedule(self.batch_schedule)
+
+    def target_sizes(self) -> list[int]:
+        """Every target batch size the run may use (one without a schedule).
+
+        Examples:
+            >>> TrainConfig(batch_schedule="0:64,20:256").target_sizes()
+            [64, 256]
+        """
+        schedule = self.schedule()
+        if schedule.steps is None:
+            return [self.target_batch_size]
+        return [size for _, size in schedule.steps]
+
+    def plan_cache_arg(self) -> str | bool | None:
+        """The trainer's ``plan_cache``: by default the workdir's ``plans.json``, if any.
+
+        Examples:
+            >>> TrainConfig(workdir="/tmp/run").plan_cache_arg()
+            '/tmp/run/plans.json'
+        """
+        if self.plan_cache is None and self.workdir is not None:
+            return str(Path(self.workdir).absolute() / "plans.json")  # a resumed run keeps it
+        return self.plan_cache
+
+
+def _directory_flag(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    if any(c in path for c in "*?[]"):
+        raise ValueError(
+            f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."
+        )
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path!r} is a file; it must name a directory.")
+
+
+def check_config(config: TrainConfig) -> None:
+    """Raises a one-line `ValueError`, naming the flag, for a config no path can run.
+
+    Examples:
+        >>> check_config(TrainConfig(optimizer="lion"))
+        Traceback (most recent call last):
+        ValueError: unknown optimizer 'lion'; choose one of adam, adamw, sgd.
+        >>> check_config(TrainConfig(learning_rate=float("nan")))
+        Traceback (most recent call last):
+        ValueError: --learning-rate nan must be a finite number above 0.
+    """
+    if ":" in str(config.model):
+        load_factory(config.model)
+    elif config.model not in MODEL_NAMES:
+        raise ValueError(
+            f"--model {config.model!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor "
+            "package.module:factory."
+        )
+    if config.target_tokens is not None and config.model != "gpt":
+        raise ValueError(
+            "--target-tokens is for --model gpt; image models take --target-batch-size."
+        )
+    if config.optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(_OPTIMIZERS)}."
+        )
+    if config.resume and config.workdir is None:
+        raise ValueError("--resume needs --workdir (the directory of the run to resume).")
+    check = checks.flag_int
+    check("--target-batch-size", config.target_batch_size, high=_MAX_T, high_name="2**31 - 1")
+    _check_schedule(config)
+    if config.micro_batch_size != "auto":
+        largest = max(config.target_sizes())
+        bound = "the largest size of --batch-schedule" if config.batch_schedule else (
+            "--target-batch-size")  # fmt: skip
+        check("--micro-batch-size", config.micro_batch_size, high=largest,
+              high_name=f"{bound} {largest}")  # fmt: skip
+    if config.memory_limit is not None:
+        check("--memory-limit", config.memory_limit)
+    checks.flag_number("--learning-rate", config.learning_rate)
+    check("--updates", config.updates)
+    if config.epochs is not None:
+        checks.flag_number("--epochs", config.epochs)
+    check("--seed", config.seed, low=0, high=2**63 - 1, high_name="2**63 - 1")
+    check("--checkpoint-every", config.checkpoint_every)
+    if config.objective not in OBJECTIVES:
+        raise ValueError(
+            f"--objective {config.objective!r} must be one of {', '.join(OBJECTIVES)}."
+        )
+    if config.multiple_of is not None:
+        check("--multiple-of", config.multiple_of, high=_MAX_T, high_name="2**31 - 1")
+    check("--eval-every", config.eval_every, low=0)
+    if config.target_tokens is not None:
+        check("--target-tokens", config.target_tokens, high=_MAX_T, high_name="2**31 - 1")
+    check("--max-length", config.max_length)
+    _directory_flag("--workdir", config.workdir)
+    _directory_flag("--compilation-cache", config.compilation_cache)
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """``--batch-schedule``: parsed (one-line errors naming it), for image models only."""
+    if config.batch_schedule is None:
+        return
+    if config.model == "gpt":
+        raise ValueError("--batch-schedule is for image models; --model gpt takes --target-tokens.")
+    config.schedule()  # raises naming the flag
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The factory ``--model package.module:factory`` names, imported (one-line errors).
+
+    The factory is called with the dataset's number of classes and returns ``(model,
+    loss)``: a Flax linen module mapping images ``[m, H, W, C]`` to logits ``[m,
+    classes]``, and ``loss(logits, labels) -> [m]``, one loss per example (no mean).
+
+    Raises:
+        ValueError: naming ``--model``, when the module cannot be imported or holds no
+            such callable.
+
+    Examples:
+        >>> load_factory("jax_adaptive.models:CNN").__name__
+        'CNN'
+        >>> load_factory("jax_adaptive.models")
+        Traceback (most recent call last):
+        ValueError: --model 'jax_adaptive.models' must be a zoo model or package.module:factory.
+    """
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"--model {spec!r} must be a zoo model or package.module:factory.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an ImportError, or the module's own error at import
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(
+            f"--model {spec!r}: cannot import {module_name} ({type(exc).__name__}: {first})."
+        ) from exc  # the user's traceback stays, as __cause__
+    factory: Any = module
+    for part in name.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {module_name} has no callable {name!r}.")
+    return factory
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """The optax optimizer the config names, at its learning rate.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> make_optimizer(TrainConfig(optimizer="sgd")).init({"w": jnp.ones(2)})
+        (EmptyState(), EmptyState())
+    """
+    return _OPTIMIZERS[config.optimizer](config.learning_rate)
