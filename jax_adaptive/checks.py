@@ -27,6 +27,7 @@ __all__ = [
     "check_fraction",
     "check_grow",
     "check_limit",
+    "check_program",
     "check_target_batch_size",
     "fixed_size",
     "flag_int",
@@ -99,6 +100,24 @@ def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name}={value!r} must be one of {listed}.")
     return value
+
+
+def check_program(size: Any, chunk: Any, T: int) -> None:
+    """A program of ``chunk`` micro-steps of ``size`` within updates of ``T`` examples.
+
+    Examples:
+        >>> check_program(4, 2, 8)
+        >>> check_program(4, 3, 8)
+        Traceback (most recent call last):
+        ValueError: a chunk of 3 micro-steps of 4 covers more than target_batch_size=8.
+    """
+    size = positive_int("size", size)
+    if size > T:
+        raise ValueError(f"{size=} must be in [1, target_batch_size={T}].")
+    if positive_int("chunk", chunk) * size > T + size - 1:
+        raise ValueError(
+            f"a chunk of {chunk} micro-steps of {size} covers more than target_batch_size={T}."
+        )
 
 
 def check_target_batch_size(value: Any) -> int:

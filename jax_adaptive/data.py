@@ -9,7 +9,7 @@ padded last micro-batch).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -21,6 +21,7 @@ from jax_adaptive.read_ahead import Unread
 from jax_adaptive.streams import Feed, Left
 
 __all__ = [
+    "ExampleQueue",
     "MicroBatch",
     "Rebatcher",
     "example_structs",
@@ -146,6 +147,83 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
             idx = offset + np.arange(size) % real
         mask = np.arange(size) < real
         yield MicroBatch(_cut(batch, offset, idx, size), mask, offset)
+
+
+class ExampleQueue:
+    """A dataset's examples, taken ``n`` at a time in order, the last batch padded.
+
+    Batches of the stream are read only as far as needed and joined only where a taken
+    batch crosses their boundary. Taking does not consume: `advance` does, once the
+    batch has run, so a batch that failed is taken again at another size. A dict, tuple
+    or array is one batch of all the examples; a list or any other iterable, a stream.
+
+    Examples:
+        >>> queue = ExampleQueue([np.arange(3), np.arange(3, 5)])
+        >>> piece = queue.take(4)
+        >>> piece.batch.tolist(), piece.mask.tolist()
+        ([0, 1, 2, 3], [True, True, True, True])
+        >>> queue.advance(4)
+        >>> queue.take(4).mask.tolist()  # the last example, padded
+        [True, False, False, False]
+    """
+
+    def __init__(self, dataset: Any):
+        one = _is_one_batch(dataset)
+        self._batches: Iterator[Any] = iter(() if one else dataset)
+        self._pending: list[Any] = [dataset] if one else []
+        self.exhausted = one
+        self.buffered = leading_size(dataset, "the dataset") if one else 0
+        self._structure = jax.tree.structure(dataset) if one else None
+        self._start = 0  # rows of the first pending batch already evaluated
+
+    @property
+    def first(self) -> Any:
+        """The first pending batch (its leaves give an example's shape)."""
+        return self._pending[0]
+
+    def fill(self, n: int) -> int:
+        """Reads the stream until ``n`` examples are pending or it ends; returns how many are."""
+        while self.buffered < n and not self.exhausted:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self.exhausted = True
+                break
+            structure = jax.tree.structure(batch)
+            if self._structure is None:
+                self._structure = structure
+            elif structure != self._structure:
+                raise ValueError(
+                    f"a batch of the dataset has structure {structure}, the ones before it "
+                    f"{self._structure}."
+                )
+            size = leading_size(batch, "a batch of the dataset")
+            if size:
+                self._pending.append(batch)
+                self.buffered += size
+        return self.buffered
+
+    def take(self, n: int) -> MicroBatch | None:
+        """The next ``n`` examples (padded and masked at the end), or None when none are left."""
+        if not self.fill(n):
+            return None
+        if leading_size(self.first) - self._start < n and len(self._pending) > 1:
+            rest = [jax.tree.map(lambda x: np.asarray(x)[self._start :], self.first)]
+            joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rest, *self._pending[1:])
+            self._pending, self._start = [joined], 0
+        return next(micro_batches(self.first, n, start=self._start))
+
+    def advance(self, count: int) -> None:
+        """Marks the ``count`` examples taken last as evaluated."""
+        self._start += count
+        self.buffered -= count
+        if self._start == leading_size(self.first):
+            self._pending.pop(0)
+            self._start = 0
+
+
+def _is_one_batch(dataset: Any) -> bool:
+    return isinstance(dataset, Mapping | tuple | np.ndarray | jax.Array)
 
 
 class _Pending:

@@ -1,37 +1,19 @@
-"""Evaluation and prediction at the largest batch that fits.
+"""Evaluation and prediction at the largest batch that fits (guide: docs/evaluation.md).
 
-An evaluation program holds no gradients, no accumulator and no optimizer update, so it
-fits a batch many times the training micro-batch, and an evaluation out-of-memory must
-not shrink training. `Evaluator` sizes its own program the way the planner sizes a
-micro-step, with the same parts:
-
-* the search (`jax_adaptive.search_max_size`, guided by a `jax_adaptive.memory.MemoryModel`)
-  compiles candidate batch sizes ahead of time and decides each by its
-  `jax_adaptive.Ledger`: everything resident (the parameters and any other state the
-  caller names, read or not), the batch in flight with the program's outputs, and the
-  program's temporaries and code;
-* ``memory_limit`` is a device of that many bytes: a size whose ledger exceeds it raises
-  `jax_adaptive.SimulatedOutOfMemory`, through the path a real out-of-memory takes;
-* the plan cache (`jax_adaptive.PlanCache`) remembers the size under a key of its own
-  (``kind="evaluate"`` or ``"predict"``), never one of training's.
-
-Every batch has exactly the planned size: a stream of batches of any size is cut and
-joined in order, the last batch is padded with repeated real rows and the padding is
-masked out of every sum. Metrics are per-example values summed on the device, batch by
-batch, and divided by the number of real examples on the host (in float64), so the means
-are those of one full pass; integer metrics (counts) are summed exactly, in 64 bits, on
-the host. An out-of-memory while a batch runs (only an out-of-memory: any other error
-propagates) shrinks the evaluation size and runs the same examples again; a batch's
-results count only once it has run, so nothing is lost or counted twice.
-
-The sizing itself (capacity, ledgers, search, plan cache, shrink) is the engine's,
-`jax_adaptive.sizing.Sizing`, with one binding per mode and input shapes.
+An evaluation program holds no gradients, so its batch is usually many times the
+training micro-batch; `Evaluator` is a client of the sizing engine
+(`jax_adaptive.sizing.Sizing`, one binding per mode and input shapes, plan-cache keys of
+its own). Every batch has the planned size, the last padded with repeated real rows that
+are masked out of every sum; float metrics are summed on the device, integer ones
+exactly in 64 bits on the host, and divided by the number of real examples on the host,
+so the means are those of one full pass. An out-of-memory while a batch runs shrinks the
+evaluation batch and runs the same examples again: nothing is lost or counted twice.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -39,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive import checks
-from jax_adaptive.data import MicroBatch, example_structs, leading_size, micro_batches
+from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import SizeTrial, least_padding_size
@@ -59,74 +41,6 @@ STREAM_MAX_BATCH_SIZE = 16_384
 number of examples."""
 
 _Mode = Literal["evaluate", "predict"]
-
-
-class _Examples:
-    """A dataset's examples, taken ``n`` at a time in order, the last batch padded.
-
-    Batches of the stream are read only as far as needed and joined only where a taken
-    batch crosses their boundary. Taking does not consume: `advance` does, once the
-    batch has run, so a batch that failed is taken again at another size.
-    """
-
-    def __init__(self, dataset: Any):
-        one = _is_one_batch(dataset)
-        self._batches: Iterator[Any] = iter(() if one else dataset)
-        self._pending: list[Any] = [dataset] if one else []
-        self.exhausted = one
-        self.buffered = leading_size(dataset, "the dataset") if one else 0
-        self._structure = jax.tree.structure(dataset) if one else None
-        self._start = 0  # rows of the first pending batch already evaluated
-
-    @property
-    def first(self) -> Any:
-        """The first pending batch (its leaves give an example's shape)."""
-        return self._pending[0]
-
-    def fill(self, n: int) -> int:
-        """Reads the stream until ``n`` examples are pending or it ends; returns how many are."""
-        while self.buffered < n and not self.exhausted:
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                self.exhausted = True
-                break
-            structure = jax.tree.structure(batch)
-            if self._structure is None:
-                self._structure = structure
-            elif structure != self._structure:
-                raise ValueError(
-                    f"a batch of the dataset has structure {structure}, the ones before it "
-                    f"{self._structure}."
-                )
-            size = leading_size(batch, "a batch of the dataset")
-            if size:
-                self._pending.append(batch)
-                self.buffered += size
-        return self.buffered
-
-    def take(self, n: int) -> MicroBatch | None:
-        """The next ``n`` examples (padded and masked at the end), or None when none are left."""
-        if not self.fill(n):
-            return None
-        if leading_size(self.first) - self._start < n and len(self._pending) > 1:
-            rest = [jax.tree.map(lambda x: np.asarray(x)[self._start :], self.first)]
-            joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rest, *self._pending[1:])
-            self._pending, self._start = [joined], 0
-        return next(micro_batches(self.first, n, start=self._start))
-
-    def advance(self, count: int) -> None:
-        """Marks the ``count`` examples taken last as evaluated."""
-        self._start += count
-        self.buffered -= count
-        if self._start == leading_size(self.first):
-            self._pending.pop(0)
-            self._start = 0
-
-
-def _is_one_batch(dataset: Any) -> bool:
-    """A dict, tuple or array is one batch of all the examples; a list or iterator, a stream."""
-    return isinstance(dataset, Mapping | tuple | np.ndarray | jax.Array)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -325,7 +239,7 @@ class Evaluator:
     def _run(self, mode: _Mode, params: Any, dataset: Any, resident: Any) -> tuple[Any, int]:
         from tqdm.auto import tqdm
 
-        examples = _Examples(dataset)
+        examples = ExampleQueue(dataset)
         reach = self.max_batch_size or STREAM_MAX_BATCH_SIZE
         if not examples.fill(reach):
             raise ValueError("the dataset has no examples.")
@@ -480,7 +394,7 @@ class Evaluator:
         self._program.store(largest)
         return largest
 
-    def _take(self, largest: int, examples: _Examples) -> int:
+    def _take(self, largest: int, examples: ExampleQueue) -> int:
         """The size to run (the fewest batches, the least padding, once the rest is known)."""
         size = largest
         if examples.exhausted:

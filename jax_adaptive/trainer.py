@@ -9,6 +9,7 @@ the state and wires them together. The guide is docs/trainer.md.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -22,8 +23,8 @@ from jax_adaptive.distributed import Placement, place, process_min
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.loop import fit_loop
-from jax_adaptive.memory import Ledger, MemoryModel
-from jax_adaptive.plan import Objective, Plan, SizeTrial
+from jax_adaptive.memory import Ledger
+from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
@@ -36,6 +37,11 @@ __all__ = ["AdaptiveTrainer"]
 log = logging.getLogger("jax_adaptive")
 
 
+def _reads(path: str, doc: str) -> property:
+    """A read-only property of the value at ``path`` (dotted attributes of the trainer)."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
 class AdaptiveTrainer:
     """Trains at a target batch size (fixed or scheduled) through the largest micro-batch that fits.
 
@@ -43,8 +49,7 @@ class AdaptiveTrainer:
         loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example;
             with ``has_aux`` ``(losses, aux)``, aux a dict of per-example metrics; with
             ``has_state`` ``(params, model_state, batch, rng) -> (that, new_model_state)``.
-        optimizer: any ``optax.GradientTransformation``, applied once per target batch
-            to the exact mean gradient of its examples.
+        optimizer: any ``optax.GradientTransformation``, applied once per target batch.
         target_batch_size: examples per update: a positive int, or a schedule over
             ``state.updates`` (a callable ``updates -> int``, ``(update, size)`` steps
             such as ``[(0, 64), (100, 256)]``, a `jax_adaptive.schedule.BatchSchedule`);
@@ -54,16 +59,12 @@ class AdaptiveTrainer:
         memory_limit: bytes of a device that must hold everything live while a
             micro-step runs (`ledger`); on a CPU it simulates that device exactly.
         has_aux: ``loss_fn`` also returns per-example metrics, reported as means.
-        has_state: ``loss_fn`` threads mutable model state (Flax ``batch_stats``)
-            through the micro-steps in order.
-        headroom: the share of a device's real capacity left unused (never of
-            ``memory_limit``).
+        has_state: ``loss_fn`` threads model state (Flax ``batch_stats``) in order.
+        headroom: the share of a device's real capacity left unused (not of the limit).
         grow: when to try a larger size at an update boundary: ``"never"``,
             ``"on_limit_change"`` (after the limit was raised) or every ``N`` updates.
-        oom_retries: real out-of-memory errors in a row retried at the smallest size
-            before giving up.
-        multiple_of: search multiples of this (8 suits tensor cores); a smaller size
-            only when no multiple fits.
+        oom_retries: real out-of-memory errors in a row retried at the smallest size.
+        multiple_of: search multiples of this (a smaller size only when none fits).
         plan_cache: where the size found is remembered for a second run: None for the
             default file (``JAX_ADAPTIVE_PLAN_CACHE=off`` turns it off), False for none,
             a path or a `jax_adaptive.PlanCache`.
@@ -75,21 +76,15 @@ class AdaptiveTrainer:
             the last program runs the optimizer step too when it fits (`Plan.fused`).
         device: the device to train on (the first local one by default), without a mesh.
         mesh: a ``jax.sharding.Mesh`` (`jax_adaptive.data_mesh`) to train data parallel
-            over ``data_axis``; every process agrees on each plan (docs/devices.md).
+            over ``data_axis`` (docs/devices.md).
         data_axis: the mesh axis the micro-batch is split over.
-        param_sharding: with ``mesh``, ``PartitionSpec``s for (a prefix of) the
-            parameters; the optimizer state follows them. None replicates them.
-        in_flight: programs dispatched and not finished at once (each counted in the
-            ledger): 2 hides the dispatch gap at the memory of a second program.
+        param_sharding: ``PartitionSpec``s for (a prefix of) the parameters, with a mesh.
+        in_flight: programs dispatched and not finished at once (each in the ledger).
         memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the
             size (`jax_adaptive.buckets.predict_line`), guiding the first compiles.
         sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (one device,
             limit, plan cache and search log); ``memory_limit``, ``headroom``,
             ``plan_cache`` and ``oom_retries`` are then its own.
-
-    Attributes:
-        fault_hook: called before each compile and micro-step
-            (`jax_adaptive.testing.inject_oom` installs one), or None.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -103,12 +98,6 @@ class AdaptiveTrainer:
         >>> state, metrics = trainer.step(state, batch)
         >>> trainer.accumulation_steps, float(metrics["loss"]), int(state.updates)
         (3, 1.0, 1)
-        >>> grown = ja.AdaptiveTrainer(loss_fn, optax.sgd(0.1), micro_batch_size=4,
-        ...                            target_batch_size=[(0, 10), (1, 20)])
-        >>> state = grown.init({"w": jnp.zeros(3)}, batch)
-        >>> state, _ = grown.step(state, batch)  # update 0: 10 examples
-        >>> grown.target_batch_size, grown.accumulation_steps  # update 1: 20
-        (20, 5)
     """
 
     def __init__(
@@ -163,9 +152,9 @@ class AdaptiveTrainer:
             checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, self._sizing,
             has_aux=has_aux, has_state=has_state,
             everywhere=self.placement.everywhere, data=self.placement.data,
-            in_flight=checks.positive_int("in_flight", in_flight), key=self._plan_key,
+            in_flight=checks.positive_int("in_flight", in_flight),
+            key=lambda: self._planner.key_parts(), memory_prior=memory_prior,
             fingerprint_at=lambda: self._planner.fingerprint_size(),
-            memory_prior=memory_prior,
         )  # fmt: skip
         self._planner = Planner(
             self._executables, target_batch_size=T, fixed=fixed, grow=grow,
@@ -180,22 +169,26 @@ class AdaptiveTrainer:
 
     # ----------------------------------------------------------------- what it holds
 
+    compiles = _reads("_sizing.compiles", "Micro-step compiles so far (one per size measured).")
+    search_log = _reads("_sizing.search_log", "Every size decided: see `jax_adaptive.SizeTrial`.")
+    throughput_log = _reads("_planner.throughput_log", "What objective='throughput' timed.")
+    memory_model = _reads("_planner.memory_model", "The sizes measured and their peaks.")
+    trace_counts = _reads("_executables.trace_counts", "Traces of the micro-step per size.")
+    host_bytes = _reads("_updater.host_bytes", "Bytes copied to the host for recovery.")
+    memory_limit = _reads("_sizing.memory_limit", "The simulated device's bytes.")
+    headroom = _reads("_sizing.headroom", "The share of a device's capacity left unused.")
+    plan_cache = _reads("_sizing.plan_cache", "Where plans are remembered, or None.")
+    mesh = _reads("placement.mesh", "The data-parallel mesh, or None.")
+    shards = _reads("placement.shards", "The data shards (1 without a mesh).")
+    device = _reads("placement.device", "The device this process trains on.")
+
     @property
     def target_batch_size(self) -> int:
-        """Examples the next update takes: the schedule's size at the last state seen."""
+        """Examples the next update takes (the schedule's, at the last state seen)."""
         return self._cursor.target
 
     def target_batch_size_for(self, state: TrainState) -> int:
-        """The examples the update of ``state`` takes: the schedule at ``state.updates``.
-
-        Examples:
-            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(0.1),
-            ...                              target_batch_size=lambda u: 4 * (u + 1))
-            >>> state = trainer.init(jnp.zeros(()), np.ones(4, np.float32))
-            >>> trainer.target_batch_size_for(state)
-            4
-        """
+        """The examples the update of ``state`` takes: the schedule at ``state.updates``."""
         return self._cursor.size_at(self._cursor.updates_of(state.updates))
 
     @property
@@ -217,69 +210,9 @@ class AdaptiveTrainer:
         return self._planner.plan
 
     @property
-    def compiles(self) -> int:
-        """How many times the micro-step has been compiled (once per size measured)."""
-        return self._sizing.compiles
-
-    @property
-    def search_log(self) -> list[SizeTrial]:
-        """Every size decided: see `SizeTrial`."""
-        return self._planner.search_log
-
-    @property
-    def throughput_log(self) -> list[dict[str, float]]:
-        """The candidates ``objective="throughput"`` timed, with their update times."""
-        return self._planner.throughput_log
-
-    @property
-    def memory_model(self) -> MemoryModel:
-        """The `jax_adaptive.memory.MemoryModel`: every size measured, and its peak."""
-        return self._planner.memory_model
-
-    @property
-    def trace_counts(self) -> dict[int, int]:
-        """Traces of the micro-step per size (one each; a retrace would show here)."""
-        return self._executables.trace_counts
-
-    @property
     def compiled_sizes(self) -> list[int]:
         """The sizes whose compiled micro-step is held now (the size in use, after a plan)."""
         return self._executables.compiled_sizes()
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes copied to the host so far by recovery saves and snapshots."""
-        return self._updater.host_bytes
-
-    @property
-    def memory_limit(self) -> int | None:
-        """The simulated device's bytes (`set_memory_limit` changes it)."""
-        return self._sizing.memory_limit
-
-    @property
-    def headroom(self) -> float:
-        """The share of a device's real capacity left unused."""
-        return self._sizing.headroom
-
-    @property
-    def plan_cache(self) -> PlanCache | None:
-        """Where plans are remembered, or None."""
-        return self._sizing.plan_cache
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh | None:
-        """The data-parallel mesh, or None."""
-        return self.placement.mesh
-
-    @property
-    def shards(self) -> int:
-        """The number of data shards (1 without a mesh)."""
-        return self.placement.shards
-
-    @property
-    def device(self) -> jax.Device:
-        """The device this process trains on (its first of the mesh)."""
-        return self.placement.device
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -302,14 +235,9 @@ class AdaptiveTrainer:
     ) -> TrainState:
         """Builds the train state on the device and plans the micro-batch size.
 
-        Args:
-            params: the initial parameters.
-            example_batch: a batch (any leading size) giving one example's shapes.
-            rng: the base key (``jax.random.key(0)`` by default).
-            model_state: mutable model collections, for ``has_state=True``.
-
-        Raises:
-            NothingFitsError: when even a micro-batch of 1 does not fit.
+        ``example_batch`` (any leading size) gives one example's shapes; ``rng`` is the
+        base key (``jax.random.key(0)``); ``model_state`` the mutable collections of
+        ``has_state``. Raises `jax_adaptive.NothingFitsError` when not even 1 fits.
         """
         leading_size(example_batch, "example_batch")
         rng = jax.random.key(0) if rng is None else rng
@@ -376,9 +304,8 @@ class AdaptiveTrainer:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
             >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.adam(0.1),
             ...                              target_batch_size=8, micro_batch_size=8)
-            >>> state = trainer.init(jnp.ones(()), np.ones(8, np.float32))
-            >>> ledger = trainer.ledger(8)
-            >>> ledger.total == ledger.state + ledger.in_flight + ledger.program
+            >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
+            >>> trainer.ledger(8).state > 0  # the state, whole; in flight; the program
             True
         """
         self._checked_program(size, chunk)
@@ -387,14 +314,7 @@ class AdaptiveTrainer:
         return self._executables.ledger(size, chunk)
 
     def capacity(self) -> int | None:
-        """The bytes a size's ledger may reach; None when unknown (a CPU without a limit).
-
-        Examples:
-            >>> import optax, jax_adaptive as ja
-            >>> ja.AdaptiveTrainer(lambda p, b, r: b, optax.sgd(0.1), target_batch_size=8,
-            ...                    memory_limit=10**9).capacity()
-            1000000000
-        """
+        """The bytes a size's ledger may reach; None when unknown (a CPU without a limit)."""
         return self._planner.capacity()
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
@@ -404,12 +324,11 @@ class AdaptiveTrainer:
         higher one lets it grow (``grow``); the chunk is decided again either way.
 
         Examples:
-            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
-            ...                              target_batch_size=8)
+            >>> import optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b, optax.sgd(0.1), target_batch_size=8)
             >>> trainer.set_memory_limit(2**30)
-            >>> trainer.memory_limit
-            1073741824
+            >>> trainer.memory_limit, trainer.capacity()
+            (1073741824, 1073741824)
         """
         self._planner.set_memory_limit(checks.check_limit(memory_limit))
 
@@ -455,16 +374,8 @@ class AdaptiveTrainer:
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
         """The `jax_adaptive.Evaluator` kept for ``metric_fn`` (pass the same function each time).
 
-        It shares the trainer's device, limit, headroom and plan cache; its sizes and
-        out-of-memory shrinking are its own.
-
-        Examples:
-            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
-            ...                              target_batch_size=8, plan_cache=False)
-            >>> error = lambda p, b: {"error": (b * p) ** 2}
-            >>> trainer.evaluator(error) is trainer.evaluator(error)
-            True
+        It shares the trainer's device, limit, headroom and plan cache
+        (`jax_adaptive.evaluate.TrainerEvaluations`).
         """
         return self._evaluations.evaluator(metric_fn)
 
@@ -480,10 +391,9 @@ class AdaptiveTrainer:
         Args:
             state: the `TrainState` (left as it is).
             data: one batch of all the examples, or a stream of batches (read once).
-            metric_fn: ``(params, batch) -> {name: per-example values}`` (with
-                ``has_state``, ``(params, model_state, batch)``); any per-example pytree
-                with ``predict``.
-            predict: return every example's outputs instead of the means.
+            metric_fn: ``(params, batch) -> {name: per-example values}``; with
+                ``has_state`` ``(params, model_state, batch)``.
+            predict: return every example's outputs (any pytree) instead of the means.
 
         Returns:
             ``{name: mean, ..., "examples": n}``, or with ``predict`` the outputs.
@@ -516,10 +426,8 @@ class AdaptiveTrainer:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
         Nothing is lost (docs/recovery.md): examples read and not trained on stay with
-        the stream's iterator (`jax_adaptive.Rebatcher`), so ``fit(state, it)`` again
-        goes on with the next one; an optimizer step that runs out of memory runs again
-        from the state it kept; any other error raises `jax_adaptive.FitError` with the
-        last good ``state``, the ``history`` and the ``batch`` in flight.
+        the stream's iterator, so ``fit(state, it)`` goes on with the next one; an
+        optimizer step that runs out of memory runs again from the state it kept.
 
         Args:
             state: the current `TrainState`.
@@ -531,14 +439,14 @@ class AdaptiveTrainer:
                 many updates and after the last, into ``eval_<name>`` metrics.
             eval_data: one batch, a list of batches, or a callable giving a fresh one.
             metric_fn: the per-example metrics, as `evaluate` takes them.
-            read_ahead: batches a background thread reads ahead while updates run, so
-                that the loader overlaps training (0: read here, when needed).
+            read_ahead: batches a background thread reads while updates run (0: none).
 
         Returns:
             The state and one metrics dict (host values) per update.
 
         Raises:
-            FitError: any error part-way, as its ``__cause__``, with what was done.
+            FitError: any error part-way, as its ``__cause__``, with the last good
+                ``state``, the ``history`` and the ``batch`` in flight.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -581,22 +489,11 @@ class AdaptiveTrainer:
         if self._planner.size is not None:
             self._planner.set_target(self.target_batch_size)
 
-    def _plan_key(self) -> dict[str, Any]:
-        """What besides the programs decides the plan (the plan cache's key)."""
-        return self._planner.key_parts()
-
     def _checked_program(self, size: int, chunk: int) -> None:
         """Plans for the next update's target and checks a program's size and chunk."""
         self._require_init()
         self._sync_target()
-        T = self.target_batch_size
-        size = checks.positive_int("size", size)
-        if size > T:
-            raise ValueError(f"{size=} must be in [1, target_batch_size={T}].")
-        if checks.positive_int("chunk", chunk) * size > T + size - 1:
-            raise ValueError(
-                f"a chunk of {chunk} micro-steps of {size} covers more than target_batch_size={T}."
-            )
+        checks.check_program(size, chunk, self.target_batch_size)
 
     def _require_init(self) -> None:
         if self._planner.size is None:
