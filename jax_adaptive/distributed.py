@@ -1,19 +1,10 @@
 """Several devices and several processes: the data mesh, sharded micro-batches, agreement.
 
-Data parallelism: the micro-step is compiled once for a ``NamedSharding`` that splits
-the micro-batch over the mesh's data axis. Each device accumulates the gradient of its
-own rows and the optimizer step sums the devices' accumulators, one reduction per update
-(`jax_adaptive.step.per_device`); a loss with model state keeps JAX's SPMD micro-step,
-where XLA inserts the reduction in every micro-step. The searched size is per device
-(XLA's memory analysis of an SPMD program is per device), so the global micro-batch is
-a multiple of the number of data shards.
-
-Under ``jax.distributed`` every process runs the same program and must take the same
-decisions at the same moment, else one waits in a collective the others never reach.
-The trainer therefore agrees, through the small collectives here, on the planned size
-(the minimum any process found) and, before every micro-step runs, on whether any
-process is out of memory: then all raise, all shrink together, and all redo the update.
-With one process these are free pass-throughs.
+`Placement` puts the state and the micro-batches on one device or a mesh; `place` and
+`host_copy` move pytrees to and from shardings that may span processes. Under
+``jax.distributed`` every process must decide alike at the same moment, else one waits
+in a collective the others never reach: `process_min` agrees on the planned size,
+`agreed` on an out-of-memory; with one process both pass through. Guide: docs/devices.md.
 """
 
 from __future__ import annotations
@@ -44,14 +35,10 @@ T = TypeVar("T")
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -> Mesh:
-    """A one-axis mesh over ``devices`` (all devices of all processes by default).
+    """A one-axis mesh, named ``axis``, over ``devices`` (``jax.devices()`` by default).
 
-    Args:
-        devices: the devices, in order; ``jax.devices()`` by default.
-        axis: the mesh axis' name, the one the micro-batch is split over.
-
-    Returns:
-        The ``jax.sharding.Mesh``.
+    Raises:
+        ValueError: when ``devices`` is empty.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -65,18 +52,14 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -
 
 
 def place(tree: Any, where: Any) -> Any:
-    """Puts a pytree on a device or sharding, the same on every process.
+    """``jax.device_put``, also onto a sharding that spans other processes' devices.
 
-    Like ``jax.device_put``, but also onto a sharding that spans other processes'
-    devices (under ``jax.distributed``): each process fills only the shards of its own
-    devices from its copy of the values, which must be the same on every process.
+    Each process fills its own devices' shards, from its copy of the values (the same on
+    every process) or from `host_copy`'s `LocalShards`.
 
     Args:
         tree: a pytree of arrays (host or device, PRNG keys included).
         where: a ``jax.Device`` or ``Sharding``, or a pytree of them matching ``tree``.
-
-    Returns:
-        The pytree of ``jax.Array``s.
 
     Examples:
         >>> sharding = NamedSharding(data_mesh(), PartitionSpec("data"))
@@ -105,13 +88,10 @@ def _place_leaf(leaf: Any, where: Any) -> jax.Array:
 class LocalShards:
     """A host copy of this process's shards of an array that spans other processes' too.
 
-    `place` puts it back on the same sharding (each process fills its own devices). Its
-    pytree leaves are the host pieces, so ``tree_bytes`` counts what the copy holds.
-
     Args:
         shape: the global shape.
-        pieces: the host copy of each addressable shard, keyed by `LocalShards.key` of
-            its index.
+        pieces: each addressable shard's host copy (the pytree's leaves), keyed by
+            `LocalShards.key` of its index.
     """
 
     def __init__(self, shape: tuple[int, ...], pieces: dict[tuple, np.ndarray]):
@@ -145,8 +125,8 @@ def _is_local_shards(x: Any) -> bool:
 def host_copy(tree: Any) -> Any:
     """A host copy of a pytree of arrays that `place` puts back where they were.
 
-    An array whose every value this process holds becomes a NumPy array (PRNG keys
-    stay keys); one split over other processes' devices too becomes `LocalShards`.
+    An array split over other processes' devices too becomes `LocalShards`, any other
+    NumPy (PRNG keys stay keys).
 
     Examples:
         >>> host_copy({"x": jax.numpy.ones(2)})["x"].tolist()
@@ -200,8 +180,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def agreed(fn: Callable[[], T], size: int) -> T:
     """Runs ``fn``, raising on every process if it ran out of memory on any.
 
-    Under ``jax.distributed`` the process that ran out raises its own error and the
-    others `jax_adaptive.errors.PeerOutOfMemory`; with one process this is ``fn()``.
+    That process raises its own error, the others `PeerOutOfMemory` (of ``size``, the
+    micro-batch); with one process this is ``fn()``.
 
     Examples:
         >>> agreed(lambda: 3, size=8)
@@ -219,12 +199,11 @@ class Placement:
     """Where the train state and the micro-batches live: one device, or a mesh.
 
     Args:
-        device: the device to train on (the first local device by default), without
-            ``mesh``.
+        device: the device, without ``mesh``; the first local device by default.
         mesh: a ``jax.sharding.Mesh`` to split each micro-batch over ``data_axis``.
         data_axis: the mesh axis of the data.
-        param_sharding: with ``mesh``, a pytree of ``PartitionSpec`` matching (a prefix
-            of) the parameters; the optimizer state follows its parameters.
+        param_sharding: with ``mesh``, ``PartitionSpec`` s for (a prefix of) the
+            parameters; the optimizer state follows its parameters.
 
     Attributes:
         device: this process's first device of the mesh, or the device.
@@ -272,10 +251,10 @@ class Placement:
         return int(self.mesh.shape[self.data_axis])
 
     def state(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
-        """The shardings of a train state: replicated, or the parameters' own specs.
+        """A train state's shardings: replicated, or the parameters' own specs.
 
-        The optimizer state follows its parameters (``optax.tree_map_params`` over
-        ``optimizer``, the ``MultiSteps`` that built ``state.opt_state``).
+        The optimizer state follows its parameters by ``optax.tree_map_params`` over
+        ``optimizer``, the ``MultiSteps`` that built it.
         """
         everywhere = self.everywhere
         if self.mesh is None:
@@ -302,11 +281,8 @@ class Placement:
     def micro_batch(self, tree: Any, split: int = 1) -> Any:
         """A micro-batch as the micro-step takes it: split over the data axis on a mesh.
 
-        Args:
-            tree: the examples (a pytree of arrays with a leading dimension of rows).
-            split: with ``split > 1`` on a mesh, the rows are ``split`` micro-batches,
-                placed as ``[split, rows / split, ...]`` with each micro-batch split
-                over the data axis (a chunk whose devices accumulate their own rows).
+        With ``split > 1`` on a mesh, the rows are ``split`` micro-batches (a chunk),
+        placed as ``[split, rows / split, ...]``, each split over the data axis.
         """
         if self.data is None:
             # Host arrays go to the program as they are: its call transfers them in C++,

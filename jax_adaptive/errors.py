@@ -1,34 +1,16 @@
-"""Every error the library raises, and the one rule for which of them are out-of-memory.
+"""Every error the library raises, and the one rule (`is_oom`) for which are out-of-memory.
 
-Out-of-memory errors come from XLA (real ones), from a simulated capacity
-(`SimulatedOutOfMemory`), from the host building a padded micro-batch
-(`HostOutOfMemory`) or from another process (`PeerOutOfMemory`); `is_oom` tells them
-from every other error, which propagates unchanged. The rest say what stopped and what
-was kept: `NothingFitsError` (not even the smallest size fits), `FitError` (``fit``
-stopped part-way, with the state), `OptimizerStepOutOfMemory` (with the update's
-intact start state) and `StateLostError` (a donating run failed and no copy was kept).
+* Out-of-memory: XLA's own, `SimulatedOutOfMemory` (a ``memory_limit``),
+  `HostOutOfMemory` (a padded micro-batch) and `PeerOutOfMemory` (another process).
+  `catch_oom` catches only these; every other error propagates unchanged.
+* What stopped and what was kept: `NothingFitsError`, `FitError`,
+  `OptimizerStepOutOfMemory`, `StateLostError`.
 
-XLA reports a failed allocation in these forms (DESIGN.md, "How OOM surfaces"; texts as
-raised by jax 0.10 on a CPU under an address-space limit and jax 0.11 on an H200):
-
-* on a CPU the first call of a jitted function raises ``jax.errors.JaxRuntimeError``,
-  later calls through the C++ fast path a plain ``ValueError``, both with XLA's status
-  first: ``RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes.``;
-* an error that surfaces at a later dispatch comes wrapped, without the status:
-  ``INTERNAL: Error dispatching computation: Out of memory allocating 134217728 bytes.``;
-* on a GPU, a ``JaxRuntimeError`` at ``block_until_ready``: ``RESOURCE_EXHAUSTED: Out of
-  memory while trying to allocate 3.00GiB with allocator GPU_0_bfc on device 0. ...``;
-  the BFC allocator's own ``Allocator (GPU_0_bfc) ran out of memory trying to allocate
-  3.00GiB``, and cuBLAS / cuDNN / the CUDA driver name their status
-  (``CUBLAS_STATUS_ALLOC_FAILED``, ...).
-
-Only these count, matched on XLA's own words (the status code first, or an allocator's
-message with its size), never on any text that mentions memory. An exception raised by
-Python code inside ``jax.debug.callback``, ``jax.pure_callback``, ``io_callback`` or a
-buffer callback reaches the caller as the same types (``ValueError`` from
-``pure_callback``'s fast path), as ``INTERNAL: CpuCallback error calling callback:
-Traceback (most recent call last): ...`` ending in the user's own text, on a CPU and a
-GPU alike; such an error never counts, whatever that text says, and propagates unchanged.
+XLA's out-of-memory is matched on XLA's own words (the status first, or an allocator's
+message with its size), never on any text that merely mentions memory, and never in an
+error that carries a host callback's Python traceback (the user's own text). The texts
+quoted below are as raised by jax 0.10 on a CPU under an address-space limit and jax
+0.11 on an H200 (DESIGN.md, "How OOM surfaces").
 """
 
 from __future__ import annotations
@@ -53,38 +35,34 @@ __all__ = [
 
 T = TypeVar("T")
 
-# XLA's status code for a failed allocation, first in the message as absl::Status
-# writes it: "RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes." (XLA:CPU,
-# jax 0.10, first call and fast path alike).
+# XLA's status, first in the message: "RESOURCE_EXHAUSTED: Out of memory allocating
+# 402653184 bytes." (XLA:CPU: JaxRuntimeError on a first call, ValueError on the fast path).
 _STATUS = r"RESOURCE_EXHAUSTED: "
 
-# What jaxlib puts before XLA's message when an earlier run's failure surfaces at a later
-# dispatch: "INTERNAL: Error dispatching computation: Out of memory allocating 134217728
-# bytes." (XLA:CPU, jax 0.10, a failed run's output passed to the next jitted call).
+# An earlier run's failure surfacing at a later dispatch: "INTERNAL: Error dispatching
+# computation: Out of memory allocating 134217728 bytes." (XLA:CPU).
 _WRAPPERS = (r"INTERNAL: Error dispatching computation: ",)
 
-# The status code, at the start of the message or after XLA's own wrappers only: the
-# word anywhere else (inside a user's text) says nothing about who ran out.
+# The status at the start or after XLA's own wrappers only: anywhere else (inside a
+# user's text) it says nothing about who ran out.
 _STATUS_PATTERN = re.compile(rf"(?:{'|'.join(_WRAPPERS)})*{_STATUS}")
 
 # A size as XLA's allocators write it: "402653184 bytes", "3.00GiB", "1.2GiB".
 _SIZE = r"\d+(?:\.\d+)?\s?(?:bytes|[KMGTP]?i?B)"
 
-# XLA's, PJRT's and the CUDA libraries' own words for a failed allocation, each with the
-# size or status name they always carry.
+# XLA's, PJRT's and the CUDA libraries' words for a failed allocation, each with the size
+# or status name they always carry.
 _ALLOCATION_FAILURES = (
-    # XLA:CPU / the PJRT CPU client: "Out of memory allocating 402653184 bytes." (jax 0.10).
-    rf"Out of memory allocating {_SIZE}",
-    # XLA:GPU's allocators (jax 0.11, CUDA, H200): "Out of memory while trying to allocate
-    # 3.00GiB with allocator GPU_0_bfc on device 0." (BFC) or "... 200.00GiB with
-    # allocator SE_0_space_0 ..." (XLA_PYTHON_CLIENT_ALLOCATOR=platform); older XLA wrote
-    # "... 1073741824 bytes.".
+    rf"Out of memory allocating {_SIZE}",  # XLA:CPU, the PJRT CPU client
+    # XLA:GPU (H200): "... 3.00GiB with allocator GPU_0_bfc on device 0." (BFC) or
+    # "... with allocator SE_0_space_0" (XLA_PYTHON_CLIENT_ALLOCATOR=platform); older XLA
+    # wrote "... 1073741824 bytes.".
     rf"Out of memory while trying to allocate {_SIZE}",
-    # The BFC allocator's own report (logged on the H200, and in some statuses):
-    # "Allocator (GPU_0_bfc) ran out of memory trying to allocate 3.00GiB (rounded to ...)".
+    # The BFC allocator's own report: "Allocator (GPU_0_bfc) ran out of memory trying to
+    # allocate 3.00GiB (rounded to ...)".
     rf"Allocator \(\w+\) ran out of memory trying to allocate {_SIZE}",
-    # cuBLAS and cuDNN workspace allocations, and the CUDA driver's and runtime's statuses
-    # (the H200's platform allocator logged "CUDA_ERROR_OUT_OF_MEMORY: out of memory").
+    # cuBLAS / cuDNN workspaces, the CUDA driver and runtime (the H200's platform
+    # allocator logged "CUDA_ERROR_OUT_OF_MEMORY: out of memory").
     r"\bCUBLAS_STATUS_ALLOC_FAILED\b",
     r"\bCUDNN_STATUS_ALLOC_FAILED\b",
     r"\bCUDA_ERROR_OUT_OF_MEMORY\b",
@@ -92,17 +70,13 @@ _ALLOCATION_FAILURES = (
 )
 _ALLOCATION_PATTERN = re.compile("|".join(_ALLOCATION_FAILURES))
 
-# How an exception raised by Python code in a host callback reaches the caller: jaxlib
-# puts the callback's Python traceback into an XLA error of the same types as an OOM.
-# A RuntimeError raised in the callback, every call path (first call, fast path, AOT):
-#   "INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):\n
-#    ...\nRuntimeError: <the user's text>"   (debug.callback, pure_callback, io_callback;
-#    jax 0.10 on a CPU, and jax 0.11 on an H200, where jaxlib's GPU handler uses the same
-#    words and XLA appends " [executable_name='jit_f']")
-#   "INTERNAL: Error when calling buffer callback: Traceback (most recent call last): ..."
-#    (jax.experimental.buffer_callback, jax 0.10, CPU)
-# jaxlib 0.10 holds one more such text, "CpuCallback error: ". XLA's own errors never
-# carry a Python traceback, so one anywhere in the text marks the error as the user's.
+# An exception raised by Python code in a host callback (debug.callback, pure_callback,
+# io_callback, buffer_callback) reaches the caller as the same types as an OOM, its
+# traceback inside: "INTERNAL: CpuCallback error calling callback: Traceback (most
+# recent call last): ...\nRuntimeError: <the user's text>" (CPU, and the H200, where XLA
+# appends " [executable_name='jit_f']"), "INTERNAL: Error when calling buffer callback:
+# Traceback ..." (CPU); jaxlib 0.10 also holds "CpuCallback error: ". XLA's own errors
+# never carry a Python traceback, so one anywhere marks the error as the user's.
 _CALLBACK_MARKERS = (
     "CpuCallback error",
     "Error when calling buffer callback",
@@ -113,8 +87,7 @@ _CALLBACK_MARKERS = (
 class SimulatedOutOfMemory(RuntimeError):
     """The out-of-memory a simulated capacity (``memory_limit``) raises.
 
-    Its message carries ``RESOURCE_EXHAUSTED`` like XLA's own, so code that tells an
-    out-of-memory from other errors treats both alike.
+    Its message starts with ``RESOURCE_EXHAUSTED``, like XLA's own.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -132,10 +105,9 @@ class SimulatedOutOfMemory(RuntimeError):
 
 
 class HostOutOfMemory(RuntimeError):
-    """The host ran out of memory building a micro-batch for the device.
+    """The host ran out of memory building a padded micro-batch (a copy).
 
-    A padded micro-batch is a copy; on a CPU the host's memory is the device's, so
-    failing to allocate it is the micro-step's out-of-memory, not the user's error.
+    On a CPU the host's memory is the device's: this is the micro-step's out-of-memory.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -153,8 +125,8 @@ class HostOutOfMemory(RuntimeError):
 class PeerOutOfMemory(RuntimeError):
     """Another process of a ``jax.distributed`` job ran out of memory at this micro-step.
 
-    Every process raises it (or its own error) at the same micro-step, so that all
-    shrink the micro-batch together and none waits in a collective the others skip.
+    Raised with the peer's own error at the same micro-step, so that all processes shrink
+    together and none waits in a collective the others skip.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -172,18 +144,14 @@ class PeerOutOfMemory(RuntimeError):
 def is_oom(exc: BaseException) -> bool:
     r"""Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
 
-    Args:
-        exc: any exception.
-
     Returns:
-        True for `SimulatedOutOfMemory`, `HostOutOfMemory` and `PeerOutOfMemory`, and for
-        an error of a type XLA raises (``JaxRuntimeError``, or exactly ``ValueError`` from
-        the compiled fast path) whose text is XLA's: the status ``RESOURCE_EXHAUSTED``
-        first (or after ``INTERNAL: Error dispatching computation:``), or an allocator's
-        message with its byte count or a CUDA library's allocation-failure status. False
-        for every other error: one that came through a host callback (its text carries
-        the callback's Python traceback), a plain ``RuntimeError`` (which XLA never
-        raises) and any text that merely mentions memory.
+        True for `SimulatedOutOfMemory`, `HostOutOfMemory`, `PeerOutOfMemory`, and a
+        ``JaxRuntimeError`` or exact ``ValueError`` (the compiled fast path) whose text is
+        XLA's: ``RESOURCE_EXHAUSTED`` first (or after ``INTERNAL: Error dispatching
+        computation:``), an allocator's message with its size, or a CUDA library's
+        allocation-failure status. False for every other error: one from a host callback
+        (its text carries a Python traceback), a ``RuntimeError`` (XLA never raises one),
+        a text that merely mentions memory.
 
     Examples:
         >>> import jax, jax_adaptive as ja
@@ -219,8 +187,8 @@ def is_oom(exc: BaseException) -> bool:
 def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     """Runs ``fn``; returns ``(result, None)``, or ``(None, error)`` if it ran out of memory.
 
-    Any other error propagates unchanged, with its traceback: the one place the rule
-    "only out-of-memory is caught" is written.
+    The one place the rule "only out-of-memory is caught" is written: any other error
+    propagates unchanged.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -238,10 +206,10 @@ def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
 
 
 class NothingFitsError(RuntimeError):
-    """Raised when even the smallest candidate size does not fit.
+    """Even the smallest candidate size does not fit.
 
     Attributes:
-        smallest: the smallest candidate, which did not fit.
+        smallest: the smallest candidate.
         trials: the trials made before giving up.
 
     Examples:
@@ -263,15 +231,13 @@ class NothingFitsError(RuntimeError):
 
 
 class FitError(RuntimeError):
-    """``fit`` stopped part-way; what it did is here, the error that stopped it is ``__cause__``.
+    """``fit`` stopped part-way: what it did is here, the error that stopped it ``__cause__``.
 
     Attributes:
-        state: the state after the last update that completed (the state ``fit`` was
-            given when none did): go on from it, or save it.
+        state: the state after the last completed update (``fit``'s input if none was).
         history: the metrics of the updates this call completed.
-        batch: the batch in flight, whose update did not complete; the stream has
-            moved past it (None when no update was in flight: the error came from the
-            stream, from ``after_update`` or from ``on_update``).
+        batch: the batch whose update did not complete, which the stream has moved past;
+            None when the error came from the stream, ``after_update`` or ``on_update``.
 
     Examples:
         >>> from jax_adaptive.loop import fit_loop
@@ -299,8 +265,8 @@ class FitError(RuntimeError):
 class OptimizerStepOutOfMemory(RuntimeError):
     """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
 
-    The optimizer step needs the same memory whatever the micro-batch size, so shrinking
-    cannot help: free device memory, then call ``step(error.state, batch)`` again.
+    Its need does not depend on the micro-batch size, so shrinking cannot help: free
+    device memory, then call ``step(error.state, batch)`` again.
 
     Examples:
         >>> error = OptimizerStepOutOfMemory(state="the update's start state")
@@ -319,8 +285,7 @@ class OptimizerStepOutOfMemory(RuntimeError):
 class StateLostError(RuntimeError):
     """A donating call failed after its first run and XLA deleted the train state.
 
-    Raised only where no host copy was kept (a size trusted after it ran once): restore
-    the state from a checkpoint.
+    No host copy was kept (a size trusted after it ran once): restore from a checkpoint.
 
     Examples:
         >>> issubclass(StateLostError, RuntimeError)

@@ -1,27 +1,10 @@
-"""Ghost batches: BatchNorm statistics over fixed groups of examples, whatever the plan.
+"""Ghost batches (Hoffer et al. 2017): BatchNorm statistics over fixed groups of examples.
 
-A model with BatchNorm trained by accumulation normalises each micro-batch by its own
-statistics and updates its running averages once per micro-step, so its training
-depends on the micro-batch size, and so on the device the job lands on. `ghost_batches`
-makes it independent of both: it runs the model's stateful loss over consecutive groups
-of ``group_size`` examples (ghost batches, Hoffer et al. 2017), one after the other in a
-``lax.scan``, threading the model state through them. Each group is normalised by its
-own statistics and updates the running averages once, in the order of the target
-batch. With micro-batches that are whole numbers of groups (``multiple_of=group_size``
-in the trainer), any micro-batch size cuts the target batch into the same groups and
-updates the running averages in the same order: the parameters and ``batch_stats``
-after an update are the same, to float tolerance, on any device.
-
-The trade-off against per-micro-batch statistics (`GHOST_TRADE_OFF`):
-
-* statistics over ``g`` examples are noisier than over a large micro-batch (a known
-  regulariser; 16 to 128 is the usual range, 32 a common choice);
-* the running averages move ``T / g`` times per update (not ``T / m``): their momentum
-  is per group, so choose it for batches of ``g`` (``momentum ** (T / g)`` is what is
-  left of the old average after an update);
-* the groups of a micro-batch run one after another: each layer sees batches of ``g``,
-  which keeps a large device less busy than one batch of ``m`` (the activations held
-  for the backward pass are the same).
+With per-micro-batch statistics, a BatchNorm model's training depends on the micro-batch,
+and so on the device. `ghost_batches` normalises over consecutive groups of ``g``
+examples instead, so that with micro-batches of whole groups (``multiple_of=g``) every
+device trains the same model, to float tolerance. The price is `GHOST_TRADE_OFF`; the
+guide: docs/batchnorm.md.
 """
 
 from __future__ import annotations
@@ -52,27 +35,21 @@ pytree of per-example arrays (losses, or ``(losses, aux)``)."""
 def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
     """Runs a stateful per-example loss over consecutive groups of ``group_size`` examples.
 
-    The returned loss cuts its batch into groups of ``group_size`` consecutive examples
-    and calls ``loss_fn`` on each, in order, in a ``lax.scan``: group ``i`` gets the
-    model state group ``i - 1`` returned (never differentiated, as between micro-steps)
-    and the key ``fold_in(rng, i)``. It returns the per-example outputs of all groups,
-    concatenated, and the last group's model state. A group whose ``weights`` are all 0
-    (the trainer's padding) leaves the model state as it was: padding never moves the
-    running averages.
+    The groups run in order in a ``lax.scan``: group ``i`` gets the model state group
+    ``i - 1`` returned (never differentiated) and the key ``fold_in(rng, i)``; the
+    outputs are concatenated, the state is the last group's. A group whose ``weights``
+    (the trainer's, passed as a keyword) are all 0 leaves the state as it was: padding
+    never moves the running averages.
 
-    It takes the trainer's per-example ``weights`` as a keyword (`AdaptiveTrainer`
-    passes them to a loss that declares ``weights``); a micro-batch larger than a group
-    must then be a whole number of groups, so train with ``multiple_of=group_size`` and
-    a ``target_batch_size`` that is a multiple of ``group_size`` (otherwise the last
-    group of the target batch mixes real examples and padding). A micro-batch smaller
-    than a group (the planner's choice on a device that cannot hold one group) is
-    normalised as one group: per-micro-batch statistics, as without ghost batches.
-    Called without ``weights`` (evaluation), a batch that is not a whole number of
-    groups ends with a shorter group.
+    With ``weights``, a micro-batch larger than a group must be a whole number of groups:
+    train with ``multiple_of=group_size`` and a ``target_batch_size`` that is a multiple
+    of it (else the last group mixes examples and padding). A micro-batch smaller than a
+    group is one group (per-micro-batch statistics). Without ``weights`` (evaluation), a
+    batch ends with a shorter group where it must.
 
     Args:
         loss_fn: ``(params, model_state, batch, rng) -> (output, new_model_state)``,
-            every leaf of ``output`` per-example (leading axis the group's examples).
+            every leaf of ``output`` per-example.
         group_size: the examples each BatchNorm statistic is computed over.
 
     Returns:

@@ -1,20 +1,12 @@
-"""Memory: the estimated peak of a compiled program, and the capacity of a device.
+"""Memory: a compiled program's estimated peak, what is live while it runs, a device's capacity.
 
-The estimate is read from XLA's own buffer assignment (``compiled.memory_analysis()``),
-which needs nothing allocated: a program lowered from ``jax.ShapeDtypeStruct``s is
-enough. It counts what the program holds at once: its arguments, its outputs (less the
-ones aliased to donated arguments), its temporaries and its generated code.
+* `estimate_peak_bytes` reads XLA's buffer assignment, which needs nothing allocated (a
+  program lowered from ``jax.ShapeDtypeStruct``s will do).
+* `Ledger` is what the device holds while a program runs: more than the program's own
+  estimate, since JAX prunes unread arguments (Adam's moments) that stay resident.
+* `MemoryModel` predicts the largest size within a capacity from the peaks measured.
 
-The memory model: a micro-step's peak grows close to linearly with its micro-batch
-size, so a line through the estimates of sizes already compiled predicts the largest
-size within a capacity. `MemoryModel` is that line; the trainer hands its guesses to
-`jax_adaptive.search_max_size`, whose bisection takes over wherever the line is off.
-
-The ledger: a program's own estimate is not what the device holds while it runs. JAX
-prunes the arguments a program does not read (Adam's moments, in a micro-step), yet they
-stay resident; and with asynchronous dispatch the inputs of every micro-step in flight
-are live at once. `Ledger` adds the parts: the whole resident state, the inputs and
-outputs in flight, and the program's own temporaries and code.
+The guide: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -42,17 +34,17 @@ __all__ = [
 
 
 def memory_report(compiled: Any) -> dict[str, int]:
-    """Returns the fields of ``compiled.memory_analysis()`` as a dict of ints.
-
-    Args:
-        compiled: a ``jax.stages.Compiled``.
+    """XLA's memory analysis of a compiled program, in bytes.
 
     Returns:
         ``argument``, ``output``, ``alias``, ``temp``, ``code`` and, where XLA gives it,
-        ``peak`` (``peak_memory_in_bytes``), all in bytes.
+        ``peak``.
+
+    Raises:
+        ValueError: when the backend gives no memory analysis.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
+        >>> import jax.numpy as jnp
         >>> c = jax.jit(jnp.sin).lower(jax.ShapeDtypeStruct((256,), jnp.float32)).compile()
         >>> memory_report(c)["argument"]
         1024
@@ -74,15 +66,9 @@ def memory_report(compiled: Any) -> dict[str, int]:
 
 
 def estimate_peak_bytes(compiled: Any) -> int:
-    """Estimates the bytes a compiled program holds at its peak.
+    """Estimates the bytes a ``jax.stages.Compiled`` holds at its peak.
 
     ``argument + output - alias + temp + generated code``, from XLA's memory analysis.
-
-    Args:
-        compiled: a ``jax.stages.Compiled``.
-
-    Returns:
-        The estimate in bytes.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -96,19 +82,12 @@ def estimate_peak_bytes(compiled: Any) -> int:
 
 
 def tree_bytes(tree: Any) -> int:
-    """Returns the bytes a pytree of arrays (or ``ShapeDtypeStruct``s) holds on one device.
+    """The bytes a pytree of arrays (or ``ShapeDtypeStruct``s) holds on one device.
 
-    A sharded leaf counts the shard one device holds; a replicated one, its whole size.
-
-    Args:
-        tree: a pytree of ``jax.Array``, NumPy arrays or ``jax.ShapeDtypeStruct``.
-
-    Returns:
-        The bytes on the device that holds the most of each leaf.
+    A sharded leaf counts one device's shard; a replicated one, its whole size.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> tree_bytes({"w": jnp.zeros((4, 8)), "key": jax.random.key(0)})
+        >>> tree_bytes({"w": jax.numpy.zeros((4, 8)), "key": jax.random.key(0)})
         136
     """
     total = 0
@@ -125,15 +104,13 @@ class Ledger(NamedTuple):
     """What is live on a device while a program runs, in bytes, by part.
 
     Attributes:
-        state: everything resident whether the program reads it or not: the whole train
-            state (every optimizer leaf), the accumulator and the running totals.
-        in_flight: the inputs and new outputs of every call in flight (each micro-batch
-            transferred, each output not aliased to a donated input).
+        state: everything resident, read or not: the whole train state, the accumulator
+            and the running totals.
+        in_flight: every call in flight's inputs and outputs not aliased to its inputs.
         program: the running program's temporaries and generated code.
 
     Examples:
-        >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
-        >>> ledger.total
+        >>> Ledger(state=1_000, in_flight=200, program=300).total
         1500
     """
 
@@ -150,11 +127,14 @@ class Ledger(NamedTuple):
 def program_ledger(
     report: Mapping[str, int], *, resident: int, inputs: int, in_flight: int = 1
 ) -> Ledger:
-    """The `Ledger` of a program from XLA's report of it (`memory_report`).
+    """The `Ledger` of a program from its `memory_report`.
 
-    ``resident``: the bytes live whatever the program reads (a whole train state);
-    ``inputs``: what each call transfers; ``in_flight``: calls dispatched at once, each
-    holding its inputs, its outputs not aliased to a donated input and its temporaries.
+    Args:
+        report: the program's `memory_report`.
+        resident: bytes live whatever the program reads (a whole train state).
+        inputs: bytes each call transfers.
+        in_flight: calls dispatched at once, each with its inputs, new outputs and
+            temporaries.
 
     Examples:
         >>> report = {"argument": 900, "output": 300, "alias": 100, "temp": 50, "code": 7}
@@ -170,18 +150,9 @@ def program_ledger(
 
 
 def device_capacity(device: jax.Device | None = None) -> int | None:
-    """Returns the bytes the device lets XLA allocate, or None where it does not say.
-
-    On a GPU this is ``memory_stats()["bytes_limit"]``; a CPU gives no memory stats.
-
-    Args:
-        device: the device; the first local device by default.
-
-    Returns:
-        The capacity in bytes, or None (a CPU).
+    """``memory_stats()["bytes_limit"]`` (the first local device's by default); None on a CPU.
 
     Examples:
-        >>> import jax
         >>> device_capacity(jax.devices("cpu")[0]) is None
         True
     """
@@ -189,13 +160,9 @@ def device_capacity(device: jax.Device | None = None) -> int | None:
 
 
 def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
-    """Returns the bytes live on the device now, or None where it does not say (a CPU).
-
-    On a GPU this is ``memory_stats()["bytes_in_use"]``: every live array of this
-    process, the trainer's and anyone else's.
+    """``memory_stats()["bytes_in_use"]``: every live array of this process; None on a CPU.
 
     Examples:
-        >>> import jax
         >>> device_bytes_in_use(jax.devices("cpu")[0]) is None
         True
     """
@@ -205,14 +172,12 @@ def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
 def usable_capacity(
     memory_limit: int | None, device: jax.Device | None, headroom: float, others: int = 0
 ) -> int | None:
-    """Returns the bytes a ledger may reach, or None where nothing says (a CPU, no cap).
+    """The bytes a ledger may reach, or None where nothing says (a CPU, no limit).
 
-    The smaller of ``memory_limit`` (compared exactly: no headroom applies to it) and,
-    where the device says (a GPU), its capacity less the ``headroom`` fraction less
-    ``others``, the bytes other live arrays held when the plan was made.
+    The smaller of ``memory_limit`` (exact: no headroom) and the device's capacity less
+    the ``headroom`` fraction less ``others`` (other arrays' bytes at planning).
 
     Examples:
-        >>> import jax
         >>> usable_capacity(10**6, jax.devices("cpu")[0], headroom=0.1)
         1000000
         >>> usable_capacity(None, jax.devices("cpu")[0], headroom=0.1) is None
@@ -229,7 +194,6 @@ def others_bytes(device: jax.Device | None, own: int) -> int:
     """Bytes live on the device that are not ``own`` (another job's, say); 0 where unknown.
 
     Examples:
-        >>> import jax
         >>> others_bytes(jax.devices("cpu")[0], own=1_000)  # a CPU says nothing
         0
     """
@@ -238,11 +202,10 @@ def others_bytes(device: jax.Device | None, own: int) -> int:
 
 
 def learned_capacity(peak: int, headroom: float, first: bool, known: int | None = None) -> int:
-    """Returns the capacity a real out-of-memory at a ledger of ``peak`` bytes teaches.
+    """The capacity a real out-of-memory at a ledger of ``peak`` bytes teaches.
 
-    The ledger was optimistic: the first failure in a row puts the capacity below the
-    peak by ``headroom``; a further one halves the peak (it is then no guide). Never
-    above ``known``, a capacity learned before.
+    ``headroom`` below the peak after the first failure in a row, half the peak after a
+    further one; never above ``known``, a capacity learned before.
 
     Examples:
         >>> learned_capacity(1000, 0.1, first=True)
@@ -268,18 +231,14 @@ def _stat(device: jax.Device | None, name: str) -> int | None:
 class MemoryModel:
     """Predicts the largest size within a capacity from the peaks of sizes measured.
 
-    Between the largest measured size that fits and the smallest that does not, it
-    interpolates on the line through those two (the secant: exact when the peak is
-    linear there). From one side only, it extrapolates through that side's two
-    measurements nearest the capacity; from a single measurement, through the origin.
-
-    A ``prior`` line (predicted, e.g. from other input shapes) stands in for what the
-    measurements cannot say yet: with none, the prior line's crossing is the guess; with
-    one, the line through it with the prior's slope; from two on, measurements alone.
+    The secant through the largest measured size that fits and the smallest that does
+    not (from one side, that side's two nearest; from one point, through the origin),
+    corrected by a parabola through a third point where it stays in the bracket. Until
+    there are two points a ``prior`` line stands in (through the one point, if any).
 
     Args:
-        points: measured ``{size: peak bytes}``, e.g. estimates of compiled sizes.
-        prior: optional predicted ``(intercept, slope)`` in bytes and bytes per size.
+        points: measured ``{size: peak bytes}``.
+        prior: a predicted ``(intercept, slope)``, the slope positive.
 
     Examples:
         >>> model = MemoryModel({64: 1_000 + 64 * 50, 256: 1_000 + 256 * 50})
@@ -302,15 +261,7 @@ class MemoryModel:
         self.points[int(size)] = int(nbytes)
 
     def largest_within(self, capacity: int) -> int | None:
-        """The largest size the measurements predict within ``capacity``; None if none.
-
-        Args:
-            capacity: bytes.
-
-        Returns:
-            The predicted size (at least 0), or None when no measurement, or a line
-            that does not grow, gives no prediction.
-        """
+        """The largest size (at least 0) predicted within ``capacity`` bytes, or None."""
         if self.prior is not None and len(self.points) < 2:
             intercept, slope = self.prior
             if self.points:  # through the measurement, with the prior's slope
@@ -368,13 +319,7 @@ class MemoryModel:
         return min(rising, key=lambda r: abs(r - mean))
 
     def propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:
-        """A ``propose(good, bad)`` for `jax_adaptive.search_max_size` under ``capacity``.
-
-        The guess is kept strictly inside the bracket: a prediction at or below the
-        largest size known to fit becomes that size's neighbour (the check that it is
-        the largest), one at or above the smallest known not to fit becomes the size
-        just below that.
-        """
+        """A ``propose(good, bad)`` for `search_max_size`: a guess strictly inside the bracket."""
 
         def propose(good: int | None, bad: int | None) -> int | None:
             guess = self.largest_within(capacity)

@@ -1,8 +1,7 @@
 """What a plan is: the size in use, the trials that decided it, and the arithmetic of both.
 
-`Plan` and `SizeTrial` are the values `jax_adaptive.AdaptiveTrainer` reports;
-`least_padding_size` and `chunk_length` are the pure rules the planner applies to the
-largest size that fits.
+`Plan` and `SizeTrial` are the values the trainers report; `least_padding_size` and
+`chunk_length` are the pure rules applied to the largest size that fits.
 """
 
 from __future__ import annotations
@@ -32,19 +31,18 @@ class SizeTrial(NamedTuple):
     Attributes:
         size: the micro-batch size.
         fits: the answer.
-        estimated_bytes: the peak the ledger gives the size (None if it did not
-            compile): the sum of the three parts below.
+        estimated_bytes: the ledger's total, the sum of the three parts below (None if
+            it did not compile).
         seconds: what deciding cost (compile, run).
         decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
-            ``"cache"`` (a size measured before), ``"compile"`` (compiling ran out of
-            memory), ``"run"`` (a real run ran out of memory), ``"learned"`` (the peak
-            is above the capacity learned from real out-of-memory errors), ``"plan
-            cache"`` (a plan a run of the same job stored; its first run is still
-            guarded).
+            ``"cache"`` (measured before), ``"compile"`` or ``"run"`` (compiling, or a
+            real run, ran out of memory), ``"learned"`` (above the capacity real
+            out-of-memory errors taught), ``"plan cache"`` (a run of the same job
+            stored it; its first run is still guarded).
         reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
-        state_bytes: the resident train state, accumulator and totals.
-        in_flight_bytes: the inputs and new outputs of the micro-steps in flight.
-        program_bytes: the micro-step's temporaries and code.
+        state_bytes: the `Ledger`'s ``state``.
+        in_flight_bytes: its ``in_flight``.
+        program_bytes: its ``program``.
     """
 
     size: int
@@ -76,26 +74,23 @@ class SizeTrial(NamedTuple):
 class Plan(NamedTuple):
     """The size in use and what it costs.
 
+    ``str(plan)`` says all of it in words.
+
     Attributes:
         micro_batch_size: the size.
         accumulation_steps: micro-steps per update.
-        ledger: everything live while it runs, at the peak of the programs an update
-            runs (None before it was measured: a fixed size or a plan from the cache,
-            until its first compile).
+        ledger: the `Ledger` at the peak of an update's programs (None until measured:
+            a fixed size or a cached plan before its first compile).
         capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
-        chunk: micro-steps per dispatch (`chunk_length`), the ledger the chunk's; None
-            until the size's first update decides it.
+        chunk: micro-steps per dispatch (`chunk_length`; the ledger is the chunk's).
         largest: the largest size that fits, which ``objective="least_padding"`` (the
-            default) trims to the same micro-steps with the least padding (None: not
-            searched, a fixed size or a plan from the cache).
-        fused: whether the update's last program runs the optimizer step too (one
-            dispatch fewer; its ledger, with the new state beside the old, fits);
-            None until the size's first update decides it.
-        source: how the size was decided: ``"searched"``, ``"plan cache"`` (a run of
-            the same job stored it), ``"fixed"`` or ``"shrunk"`` (after an
+            default) trims to the least padding (None: not searched).
+        fused: whether the last program runs the optimizer step too (its ledger, the
+            new state beside the old, fits).
+        source: ``"searched"``, ``"plan cache"``, ``"fixed"`` or ``"shrunk"`` (after an
             out-of-memory); None when unknown.
 
-    ``str(plan)`` says all of it in words.
+    ``chunk`` and ``fused`` are None until the size's first update decides them.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -142,8 +137,8 @@ the optimizer step in the last program
 def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 1) -> int:
     """The size with the fewest micro-steps ``largest`` allows, and the least padding.
 
-    With ``k = ceil(T / largest)`` micro-steps, ``ceil(T / k)`` rounded up to
-    ``multiple_of`` pads the last micro-batch the least; it never exceeds ``largest``.
+    ``ceil(T / k)`` for ``k = ceil(T / largest)`` micro-steps, rounded up to
+    ``multiple_of``, never above ``largest``.
 
     Examples:
         >>> least_padding_size(4096, 1342)  # 4 micro-steps of 1024, not 1342 x 4
@@ -159,9 +154,8 @@ def least_padding_size(target_batch_size: int, largest: int, multiple_of: int = 
 def chunk_length(steps: int, most: int) -> int:
     """Micro-steps per dispatch: the fewest dispatches for ``steps``, at most ``most`` each.
 
-    An update runs ``steps // c`` chunks of ``c`` and then ``steps % c`` single
-    micro-steps; of the lengths with the fewest dispatches, the shortest (the least
-    memory in flight).
+    An update runs ``steps // c`` chunks of ``c``, then ``steps % c`` single micro-steps;
+    of the lengths with the fewest dispatches, the shortest (the least in flight).
 
     Examples:
         >>> chunk_length(128, 16), chunk_length(7, 16), chunk_length(10, 4), chunk_length(5, 1)

@@ -1,11 +1,7 @@
-"""Batch-size schedules: the target batch size as a function of the optimizer updates.
+"""Batch-size schedules: the target batch size from the updates applied so far.
 
-Large-model recipes grow the batch during training. A `BatchSchedule` gives the target
-batch size of each update from the number of updates applied so far (``state.updates``),
-so a restored state goes on with the schedule where it left it. It is made from an int
-(a constant), a callable ``updates -> int`` or a list of steps ``[(0, 64), (100, 256)]``
-(from update 0 use 64, from update 100 use 256); every size is a positive int below
-``2**31``, checked with a one-line error naming ``target_batch_size``.
+The size is a function of ``state.updates``, so a restored state goes on with the
+schedule where it left it. The guide: docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -30,21 +26,19 @@ ScheduleSpec: TypeAlias = "int | Callable[[int], int] | Sequence[tuple[int, int]
 
 
 class BatchSchedule:
-    """The target batch size of each optimizer update.
+    """The target batch size of each optimizer update, a positive int below ``2**31``.
 
     Args:
-        spec: an int (the same size for every update), a callable ``updates -> int``
-            (``updates``: optimizer updates applied so far) or a non-empty list of
-            ``(update, size)`` steps, the first at update 0, the updates strictly
-            increasing: from each step's update on, its size.
+        spec: an int, a callable ``updates -> int`` (the updates applied so far), or a
+            list of ``(update, size)`` steps from update 0 on, the updates increasing.
 
     Attributes:
-        constant: the size when it never changes (an int spec), else None.
+        constant: the size when it never changes (an int, or a single step), else None.
         steps: the ``(update, size)`` steps of a list spec, else None.
 
     Raises:
-        TypeError, ValueError: one line naming ``target_batch_size``, for a spec that is
-            none of the above or a step that is not ``(int >= 0, positive int)``.
+        TypeError, ValueError: one line naming ``target_batch_size``, for a bad spec
+            (a callable's size, when called).
 
     Examples:
         >>> schedule = BatchSchedule([(0, 64), (100, 256), (500, 1024)])
@@ -94,7 +88,7 @@ class BatchSchedule:
         return int(size)
 
     def examples_before(self, updates: int) -> int:
-        """Examples the updates ``0 .. updates - 1`` take in all (a data stream's position).
+        """Examples the updates ``0 .. updates - 1`` take (a data stream's position).
 
         Examples:
             >>> BatchSchedule([(0, 8), (2, 16)]).examples_before(3)
@@ -172,12 +166,10 @@ class ScheduleCursor:
 
 
 def _is_size(size: Any) -> bool:
-    """Whether ``size`` is a target batch size: a positive int below ``2**31``."""
     return is_int(size) and 1 <= size <= MAX_TARGET_BATCH_SIZE
 
 
 def _checked_steps(spec: Sequence[Any]) -> tuple[tuple[int, int], ...]:
-    """The ``(update, size)`` steps of a list spec, each checked (one-line errors)."""
     if not spec:
         raise ValueError("target_batch_size schedule must hold at least one (update, size) step.")
     steps: list[tuple[int, int]] = []

@@ -1,9 +1,7 @@
-"""A pure search for the largest size a monotone oracle accepts.
+"""A pure search for the largest size a monotone oracle ``fits(size) -> bool`` accepts.
 
-``fits(size) -> bool`` is assumed monotone: if a size fits, every smaller size fits.
-The search knows nothing of memory or XLA; the trainer gives it an oracle that compiles
-the micro-step and asks XLA (or the device) whether it fits, and may give it a
-``propose`` function (a memory model) that guesses where the answer lies.
+It knows nothing of memory or XLA: the sizing engine gives it an oracle that compiles
+and measures, and a ``propose`` (`jax_adaptive.memory.MemoryModel`) that guesses.
 """
 
 from __future__ import annotations
@@ -55,26 +53,20 @@ def search_max_size(
 ) -> SearchResult:
     """Finds the exact largest size in ``[lo, hi]``, a multiple of ``multiple_of``, that fits.
 
-    The largest candidate is tried first (on a large device it often fits, and one call
-    settles it); then the bracket between the largest size known to fit and the smallest
-    known not to is narrowed. Without ``propose`` this is bisection: at most
-    ``ceil(log2(n)) + 1`` calls for ``n`` candidates. With ``propose(good, bad)``, a
-    guess strictly inside the bracket, a good guesser finishes in two or three calls;
-    guesses are taken only while bisection could still finish within
-    ``2 * ceil(log2(n + 1)) + 2`` calls, so a bad guesser costs at most that.
+    The largest candidate is tried first (on a large device one call settles it), then
+    the bracket between the largest size known to fit and the smallest known not to is
+    narrowed: by bisection, at most ``ceil(log2(n)) + 1`` calls for ``n`` candidates,
+    or by ``propose``'s guesses, taken only while bisection could still finish within
+    ``2 * ceil(log2(n + 1)) + 2`` calls (a good guesser needs two or three).
 
     Args:
-        fits: the oracle, monotone in the size.
+        fits: the oracle; if a size fits, every smaller one does.
         lo: the smallest size allowed.
         hi: the largest size allowed.
         multiple_of: every candidate is a multiple of this.
-        propose: optional; given the largest size known to fit (or None) and the
-            smallest known not to fit (or None), returns the next size to try or None.
-            Proposals outside the bracket, or not on the grid of multiples, are rounded
-            down onto it or ignored.
-
-    Returns:
-        A `SearchResult` with the size and the list of trials.
+        propose: ``propose(good, bad)``, given the largest size known to fit and the
+            smallest known not to (each or None), returns the next size to try or None;
+            a guess is rounded down to a multiple, and ignored outside the bracket.
 
     Raises:
         NothingFitsError: when the smallest candidate does not fit.

@@ -1,11 +1,9 @@
 """Fault injection: out-of-memory errors on demand, through the path a real one takes.
 
-A real out-of-memory in a run raises from the executable's call and, as measured on
-these machines (DESIGN.md), leaves the call's donated inputs deleted. The injector
-does both at the chosen executions: it deletes the donated arguments (the accumulator
-and the running totals) and raises ``jax.errors.JaxRuntimeError`` with XLA's
-``RESOURCE_EXHAUSTED`` text, from the one place a micro-step executes. At a chosen
-size's compile it raises the same error, as XLA does when compiling runs out of memory.
+At chosen micro-step executions the injector does what a real out-of-memory does
+(DESIGN.md): it deletes the call's donated inputs (the accumulator and the running
+totals) and raises ``jax.errors.JaxRuntimeError`` with XLA's ``RESOURCE_EXHAUSTED``
+text; at a chosen size's compile it raises the same error.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ class FaultInjector:
     """Makes chosen micro-step executions, or chosen sizes' compiles, run out of memory.
 
     Args:
-        executions: 1-based numbers of the micro-step executions to fail, counted
-            across the trainer's life from when the injector is installed.
+        executions: 1-based numbers of the micro-step executions to fail, counted from
+            when the injector is installed.
         compile_sizes: micro-batch sizes whose compile always fails.
         delete_donated: delete the donated inputs before raising, as a real failed run
-            does (DESIGN.md); False mimics an error raised at dispatch on a GPU.
+            does; False mimics an error raised at dispatch on a GPU.
 
     Attributes:
         executions_seen: micro-step executions so far.
