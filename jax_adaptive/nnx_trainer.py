@@ -17,29 +17,28 @@ __all__ = ["NnxTrainer"]
 class NnxTrainer:
     """Trains an ``nnx.Module`` in place with `AdaptiveTrainer`, from an optax optimizer.
 
-    Each `step` runs one exact update of ``target_batch_size`` examples and writes the
-    new parameters and BatchNorm statistics (``nnx.BatchStat``) back into ``model``
-    (``nnx.update``), so the module is the trained model after every step: evaluate it
-    with ``model.eval()``, save it, train on. The plan, the search and the recovery
-    from out-of-memory are `AdaptiveTrainer`'s (``trainer``); the first `step` (or
-    `init`) plans the micro-batch size on its batch.
-
-    The loss is `nnx_classifier_loss` (``batch["image"]``, ``batch["label"]``) unless
-    ``loss_fn`` gives another: one taking the model state (``(params, model_state,
-    batch, rng) -> (output, model_state)``) when the model has ``nnx.BatchStat``
-    variables, ``(params, batch, rng) -> output`` when not; pass ``has_aux`` to match.
+    Each `step` runs one exact update and writes the new parameters and BatchNorm
+    statistics (``nnx.BatchStat``) back into ``model``: the module is the trained model
+    after every step. The first `step` (or `init`) plans the micro-batch size on its
+    batch. The guide: docs/flax.md.
 
     Args:
         model: the module to train; updated in place.
         optimizer: any ``optax.GradientTransformation``.
         target_batch_size: examples per optimizer update.
-        loss_fn: the per-example loss, or None for `nnx_classifier_loss` in training mode.
-        ghost_batch_size: BatchNorm over groups of this many examples, so that training
-            does not depend on the micro-batch (`jax_adaptive.ghost_batches`); sets the
-            trainer's ``multiple_of`` to it unless given.
+        loss_fn: a per-example loss, taking the model state (``(params, model_state,
+            batch, rng) -> (output, model_state)``) when the model has ``nnx.BatchStat``
+            variables (pass ``has_aux`` to match); None: `nnx_classifier_loss` in
+            training mode (``batch["image"]``, ``batch["label"]``).
+        ghost_batch_size: BatchNorm over groups of this many examples
+            (`jax_adaptive.ghost_batches`); the trainer's ``multiple_of`` unless given.
         rng: the trainer's base key (Dropout and other randomness); ``key(0)`` if None.
         **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
             ``memory_limit``, ``has_aux``, ...).
+
+    Attributes:
+        trainer: the `AdaptiveTrainer` (its plan, ``search_log``, ``set_memory_limit``).
+        state: its ``TrainState`` (None before the first step), for checkpoints.
 
     Examples:
         >>> import numpy as np, optax
@@ -110,16 +109,7 @@ class NnxTrainer:
         """Runs one exact update on ``target_batch_size`` examples and updates the module.
 
         Returns:
-            The update's metrics (`AdaptiveTrainer.step`).
-
-        Examples:
-            >>> import numpy as np, optax
-            >>> from flax import nnx
-            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-            ...                      target_batch_size=8, micro_batch_size=4)
-            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
-            >>> int(trainer.step(batch)["examples"])
-            8
+            The update's metrics (`AdaptiveTrainer.step`; the class example runs it).
         """
         if self.state is None:
             self.init(batch)

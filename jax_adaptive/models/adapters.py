@@ -1,9 +1,8 @@
 """Adapters: a Flax model (linen or NNX) into the per-example loss `AdaptiveTrainer` takes.
 
-They take models written as Flax's own examples write them: linen BatchNorm with an
-``axis_name`` (written for ``pmap``), NNX modules whose Dropout takes ``rngs`` at call
-time, a train/eval switch, and ghost batches (`jax_adaptive.ghost_batches`) that make
-BatchNorm training the same whatever micro-batch the device gets.
+They take models as Flax's own examples write them (linen BatchNorm with a ``pmap``
+``axis_name``, NNX Dropout that takes ``rngs`` at call time, a train/eval switch). The
+guides: docs/flax.md, and docs/batchnorm.md for ghost batches.
 """
 
 import inspect
@@ -34,11 +33,9 @@ def _classifier_losses(logits, labels, loss: Loss | None):
 def train_kwargs(model: nn.Module, train: bool) -> dict[str, bool]:
     """``{"train": train}`` for a linen module whose ``__call__`` takes ``train``, else ``{}``.
 
-    How the adapters call (and the command line initialises) a user's module: the Flax
-    examples' models differ, some take a ``train`` switch, the MNIST CNN takes none.
+    The Flax examples' models differ: some take a ``train`` switch, the MNIST CNN none.
 
     Examples:
-        >>> import flax.linen as nn
         >>> from jax_adaptive.models import MLP
         >>> train_kwargs(MLP(features=(8,), num_classes=3), False)
         {'train': False}
@@ -70,8 +67,7 @@ def _with_ghost_batches(loss_fn, ghost_batch_size, stateful: bool, train: bool):
 def _bind_axis(call: Callable[[Any], Any], axis_name: str | None) -> Callable[[Any], Any]:
     """``call`` under a size-1 ``vmap`` that binds ``axis_name``, as ``pmap`` would.
 
-    A collective over that axis (BatchNorm's mean with ``axis_name='batch'``) then
-    reduces over this one device's micro-batch (or ghost batch) only.
+    A collective over that axis (BatchNorm's mean) then reduces over this micro-batch.
     """
     if axis_name is None:
         return call
@@ -99,50 +95,36 @@ def linen_classifier_loss(
 
     The model is called as ``model.apply({"params": params, **model_state}, x,
     train=train, rngs={"dropout": rng}, mutable=mutable, **call_kwargs)``, without
-    ``train`` when its ``__call__`` has no such parameter (as the Flax MNIST example's
-    CNN). Use the loss with ``has_aux=True``, and with ``has_state=True`` when
-    ``mutable`` names collections (Flax ``batch_stats``): it then takes and returns the
-    model state.
-
-    BatchNorm, three ways:
-
-    * ``train=True`` (the default): statistics of each micro-batch, as in every
-      accumulation scheme; the running averages move once per micro-step. Both depend
-      on the micro-batch size, and so on the device.
-    * ``ghost_batch_size=g``: statistics of each group of ``g`` consecutive examples,
-      the running averages moved once per group in order (`jax_adaptive.ghost_batches`):
-      the same training whatever the micro-batch. Train with ``multiple_of=g`` and a
-      target batch that is a multiple of ``g``.
-    * ``train=False``: evaluation mode (frozen BatchNorm: the running averages, left as
-      they are; Dropout off). Each example's loss is then its own and the update exact
-      for any micro-batch; the model state is returned unchanged.
+    ``train`` when its ``__call__`` has none. Use the loss with ``has_aux=True``, and
+    with ``has_state=True`` when ``mutable`` names collections.
 
     Args:
-        model: any linen module taking ``(x, train=...)`` and returning logits.
-        mutable: the collections the model updates in training, e.g. ``("batch_stats",)``.
-        train: training mode (batch statistics, Dropout on) or evaluation mode.
-        axis_name: the axis name the model's BatchNorm reduces over, e.g. ``"batch"``
-            for a model written for ``pmap`` (``nn.BatchNorm(axis_name="batch")``, as in
-            the Flax ImageNet example): the adapter binds it over the micro-batch (or
-            ghost batch) with a size-1 ``vmap``, so the model runs unchanged.
-        ghost_batch_size: BatchNorm over groups of this many examples (see above).
+        model: a linen module returning logits.
+        mutable: the collections training updates, e.g. ``("batch_stats",)``.
+        train: training mode (batch statistics and Dropout, which depend on the
+            micro-batch) or evaluation mode (frozen BatchNorm, Dropout off: the update
+            exact for any micro-batch, the model state returned unchanged).
+        axis_name: the axis a model written for ``pmap`` reduces BatchNorm over (the
+            Flax ImageNet example's ``"batch"``), bound over the micro-batch (or ghost
+            batch) by a size-1 ``vmap``, so the model runs unchanged.
+        ghost_batch_size: BatchNorm over groups of this many examples
+            (`jax_adaptive.ghost_batches`): train with it as ``multiple_of`` and a
+            target batch that is a multiple of it.
         call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
         loss: ``loss(logits, labels) -> losses``, one per example, instead of the
-            softmax cross-entropy (e.g. with label smoothing); accuracy stays the aux.
+            softmax cross-entropy (label smoothing, say); accuracy stays the aux.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
         ``(params, model_state, batch, rng) -> ((losses, aux), model_state)`` (with
-        ghost batches it also takes the trainer's ``weights`` keyword).
+        ghost batches, also taking the trainer's ``weights`` keyword).
 
     Raises:
-        ValueError: when ``ghost_batch_size`` is given without ``mutable`` or with
-            ``train=False``.
+        ValueError: for ``ghost_batch_size`` without ``mutable`` or with ``train=False``.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> from jax_adaptive.models import MLP
         >>> model = MLP(features=(8,), num_classes=3)
         >>> params = model.init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
@@ -186,34 +168,27 @@ def gpt_token_loss(
 ) -> Callable[..., Any]:
     """Per-example next-token cross-entropy of a causal language model such as `GPT`.
 
-    The batch holds ``tokens``, int ``[m, L]``, and optionally ``mask``, bool or float
-    ``[m, L]``: the validity (or weight) of each token. Example ``i``'s loss is the sum,
-    over positions ``t < L - 1``, of ``mask[i, t + 1]`` times the cross-entropy of the
-    logits at ``t`` against ``tokens[i, t + 1]``: a prediction counts when the token it
-    predicts is valid. Pad at the end of a sequence (the model is causal, so padding
-    there never changes a valid prediction).
-
-    The trainer minimises the sum of these losses over the target batch divided by
-    its size ``T``: the summed token loss per sequence. For the mean per token when
-    every sequence has the same number ``n`` of valid targets (``L - 1`` unpadded),
-    divide by it: ``lambda p, b, r: loss_fn(p, b, r) / n``. With padding of varying
-    length, train through `jax_adaptive.BucketedTrainer` (``count_tokens=lambda b:
-    b["mask"][:, 1:].sum(1)``): it weights each sequence so that the update is the mean
-    over the target batch's real tokens.
+    Example ``i``'s loss is the sum over ``t < L - 1`` of ``mask[i, t + 1]`` times the
+    cross-entropy of the logits at ``t`` against ``tokens[i, t + 1]``: a prediction
+    counts when the token it predicts is valid, so pad at the end of a sequence. The
+    trainer then minimises the summed token loss per sequence. For the mean per token,
+    divide by the ``n`` valid targets every sequence has (``lambda p, b, r: loss_fn(p, b,
+    r) / n``) or, with padding of varying length, train through
+    `jax_adaptive.BucketedTrainer` with ``count_tokens=lambda b: b["mask"][:, 1:].sum(1)``.
 
     The model is called as ``model.apply({"params": params}, tokens, train=True,
     rngs={"dropout": rng})`` and must return logits ``[m, L, vocab]``.
 
     Args:
         model: a linen causal language model.
-        tokens_key: the batch's token key.
-        mask_key: the batch's optional token-validity key.
+        tokens_key: the batch's key of int tokens ``[m, L]``.
+        mask_key: the batch's optional key of each token's validity (or weight), bool
+            or float ``[m, L]``.
 
     Returns:
-        ``(params, batch, rng) -> losses``, of shape ``[m]``; use it with ``has_aux=False``.
+        ``(params, batch, rng) -> losses`` of shape ``[m]``, for ``has_aux=False``.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> from jax_adaptive.models import GPT
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)
         >>> tokens = jnp.ones((3, 6), jnp.int32)
@@ -247,44 +222,25 @@ def nnx_classifier_loss(
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a Flax NNX classifier, with accuracy as aux.
 
-    The trainer's parameters are the model's ``nnx.Param`` state, and its model state
-    the variables that ``mutable`` selects (``nnx.BatchStat`` for BatchNorm; use
-    ``has_state=True`` then). `NnxTrainer` does this split and puts the trained values
-    back into the module; by hand::
-
-        loss_fn = nnx_classifier_loss(model, mutable=nnx.BatchStat)
-        trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), target_batch_size=T,
-                                     has_aux=True, has_state=True)
-        state = trainer.init(nnx.state(model, nnx.Param), batch,
-                             model_state=nnx.state(model, nnx.BatchStat))
-        ...
-        nnx.update(model, state.params, state.model_state)  # the trained values back
-
-    The loss runs a copy of the model taken now, in training mode (``model.train()``:
-    ``deterministic=False``, ``use_running_average=False``) or, with ``train=False``,
-    in evaluation mode (``model.eval()``: frozen BatchNorm, Dropout off); ``model``
-    itself is not changed, and its variables other than the parameters and ``mutable``
-    are constants of the loss, as they are now.
-
-    Randomness follows the trainer's ``rng`` (a fresh key per micro-batch), not the
-    model's own ``nnx.Rngs``: every RNG stream the copy owns is reseeded from it at each
-    call, and a model whose ``__call__`` takes ``rngs`` (the NNX MNIST tutorial's CNN,
-    whose Dropout takes them at call time) is called with ``rngs=nnx.Rngs(rng)``.
-    ``ghost_batch_size`` computes BatchNorm statistics over groups of that many
-    examples whatever the micro-batch (`jax_adaptive.ghost_batches`; see
-    `linen_classifier_loss`).
+    The trainer's parameters are ``nnx.state(model, nnx.Param)``, its model state
+    ``nnx.state(model, mutable)`` (with ``has_state=True``); `NnxTrainer` makes this
+    split and puts the trained values back (``nnx.update``). The loss runs a copy of the
+    model taken now, in ``train()`` or ``eval()`` mode: ``model`` is not changed, and
+    its variables other than the parameters and ``mutable`` are constants of the loss.
+    Randomness follows the trainer's ``rng``: the copy's RNG streams are reseeded from
+    it at each call, and a ``__call__`` that takes ``rngs`` (Dropout at call time, as
+    in the NNX MNIST tutorial) gets ``nnx.Rngs(rng)``.
 
     Args:
         model: an NNX module mapping a batch of inputs to logits.
-        mutable: a filter of the variables the model updates in training, e.g.
-            ``nnx.BatchStat``; required when the model trains BatchNorm statistics.
-        train: training mode or evaluation mode (see above).
-        ghost_batch_size: BatchNorm over groups of this many examples.
-        call_kwargs: more keyword arguments for every call of the model.
-        image_key: the batch's input key.
-        label_key: the batch's integer label key.
-        loss: ``loss(logits, labels) -> losses``, one per example, instead of the
-            softmax cross-entropy (e.g. with label smoothing); accuracy stays the aux.
+        mutable: a filter of the variables training updates, e.g. ``nnx.BatchStat``;
+            required when the model trains BatchNorm statistics.
+        train: training mode, or evaluation mode (frozen BatchNorm, Dropout off).
+        ghost_batch_size: as in `linen_classifier_loss`.
+        call_kwargs: as in `linen_classifier_loss`.
+        image_key: as in `linen_classifier_loss`.
+        label_key: as in `linen_classifier_loss`.
+        loss: as in `linen_classifier_loss`.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
@@ -295,8 +251,6 @@ def nnx_classifier_loss(
             or ``ghost_batch_size`` is given without them.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> from flax import nnx
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> batch = {"image": jnp.zeros((5, 4)), "label": jnp.zeros(5, jnp.int32)}
         >>> loss_fn = nnx_classifier_loss(model)

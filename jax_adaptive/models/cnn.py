@@ -20,7 +20,7 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Returns the logits of a batch; ``train`` turns dropout on."""
+        """Returns the logits of a batch; ``train`` is accepted and unused (no dropout)."""
         for i in range(2):
             x = nn.relu(nn.Conv(self.channels * 2**i, (3, 3))(x))
             x = nn.avg_pool(x, (2, 2), strides=(2, 2))

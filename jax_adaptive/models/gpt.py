@@ -12,14 +12,12 @@ from jax_adaptive.models.transformer import Transformer
 class GPT(nn.Module):
     """A GPT: token and learned position embeddings, causal pre-norm blocks, logits.
 
-    The defaults are GPT-2 small (124 M parameters with tied embeddings). Position
-    ``t`` attends to positions ``<= t`` only, so padding belongs at the end of a
-    sequence. With ``tie_embeddings`` the output layer is the token embedding's
-    transpose. Parameters are float32, ``dtype`` is the compute dtype, the logits are
-    float32. Pair it with `gpt_token_loss`.
+    The defaults are GPT-2 small (124 M parameters with tied embeddings: the output
+    layer is the token embedding's transpose). Causal: pad at the end of a sequence.
+    Parameters and logits are float32, ``dtype`` is the compute dtype. Pair it with
+    `gpt_token_loss`.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)
         >>> tokens = jnp.zeros((2, 5), jnp.int32)
         >>> jax.eval_shape(model.init_with_output, jax.random.key(0), tokens)[0].shape

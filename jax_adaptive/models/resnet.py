@@ -23,7 +23,6 @@ class ResNetBlock(nn.Module):
     """A residual block: two 3x3 convolutions (basic) or 1x1-3x3-1x1 (bottleneck).
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> block = ResNetBlock(filters=4, strides=2)
         >>> x = jnp.zeros((1, 8, 8, 3))
         >>> jax.eval_shape(block.init_with_output, jax.random.key(0), x)[0].shape
@@ -55,16 +54,12 @@ class ResNetBlock(nn.Module):
 class ResNet(nn.Module):
     """A ResNet classifier; the defaults are ResNet-18 for ImageNet.
 
-    The stem (7x7 convolution with stride 2, 3x3 max-pool with stride 2) and the three
-    strided stages reduce the side by 32, down to 1x1 for inputs of 32 or less; any
-    size from 1 up works. Parameters are float32; ``dtype`` is the compute dtype (e.g.
-    ``jnp.bfloat16``); the logits are float32. BatchNorm uses the batch's statistics
-    when ``train`` is true: apply with ``mutable=["batch_stats"]`` then (see
-    `linen_classifier_loss`, whose ``ghost_batch_size`` computes them over fixed groups of
-    examples, so that training does not depend on the micro-batch size).
+    The stem and the strided stages reduce the side by 32 (to 1x1 for inputs of 32 or
+    less; any size works). Parameters and logits are float32, ``dtype`` is the compute
+    dtype. With ``train``, BatchNorm uses batch statistics: apply with
+    ``mutable=["batch_stats"]`` (`linen_classifier_loss`, ghost batches included).
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> model = ResNet(stage_sizes=(1, 1), num_filters=4, num_classes=3)
         >>> images = jnp.zeros((2, 16, 16, 3))
         >>> logits, variables = jax.eval_shape(model.init_with_output, jax.random.key(0), images)
@@ -128,7 +123,6 @@ class ResNetTiny(ResNet):
     """A ResNet small enough for CPU tests and benchmarks: one basic block a stage, 8 filters.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> model = ResNetTiny()
         >>> images = jnp.zeros((2, 16, 16, 3))
         >>> jax.eval_shape(model.init_with_output, jax.random.key(0), images)[0].shape

@@ -11,7 +11,6 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> block = TransformerBlock(heads=2, mlp_dim=16)
         >>> x = jnp.zeros((1, 3, 8))
         >>> jax.eval_shape(block.init_with_output, jax.random.key(0), x)[0].shape
@@ -47,7 +46,6 @@ class Transformer(nn.Module):
     """``depth`` pre-norm `TransformerBlock` s and a final LayerNorm.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> encoder = Transformer(depth=2, heads=2)
         >>> x = jnp.zeros((1, 3, 8))
         >>> jax.eval_shape(encoder.init_with_output, jax.random.key(0), x)[0].shape

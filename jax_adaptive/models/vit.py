@@ -12,14 +12,12 @@ from jax_adaptive.models.transformer import Transformer
 class ViT(nn.Module):
     """A ViT classifier; the defaults are ViT-B/16.
 
-    Non-overlapping ``patch_size`` patches are embedded by a strided convolution, a
-    learned position embedding is added (its length is fixed by the image size at
-    init), and a pre-norm `Transformer` encodes them. The head reads a learned class
-    token (``pool="cls"``) or the mean of the patch tokens (``pool="mean"``).
-    Parameters are float32, ``dtype`` is the compute dtype, the logits are float32.
+    Patches embedded by a strided convolution, a learned position embedding (its length
+    fixed by the image size at init), a pre-norm `Transformer`, and a head on a class
+    token (``pool="cls"``) or the patches' mean (``"mean"``). Parameters and logits are
+    float32, ``dtype`` is the compute dtype.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> model = ViT(patch_size=4, width=8, depth=1, heads=2, num_classes=3)
         >>> images = jnp.zeros((2, 8, 8, 3))
         >>> jax.eval_shape(model.init_with_output, jax.random.key(0), images)[0].shape
@@ -76,7 +74,6 @@ class ViTMicro(ViT):
     """A ViT small enough for CPU tests: patches of 4 (16 on a 16x16 image), width 32.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
         >>> model = ViTMicro()
         >>> images = jnp.zeros((2, 16, 16, 3))
         >>> jax.eval_shape(model.init_with_output, jax.random.key(0), images)[0].shape
