@@ -35,23 +35,17 @@ __all__ = [
 
 T = TypeVar("T")
 
-# XLA's status, first in the message: "RESOURCE_EXHAUSTED: Out of memory allocating
-# 402653184 bytes." (XLA:CPU: JaxRuntimeError on a first call, ValueError on the fast path).
+# XLA's status first, or after XLA's own wrapper for an earlier run's failure surfacing
+# at a later dispatch (XLA:CPU: "RESOURCE_EXHAUSTED: Out of memory allocating 402653184
+# bytes.", "INTERNAL: Error dispatching computation: Out of memory allocating ..."); the
+# status anywhere else (inside a user's text) says nothing about who ran out.
 _STATUS = r"RESOURCE_EXHAUSTED: "
-
-# An earlier run's failure surfacing at a later dispatch: "INTERNAL: Error dispatching
-# computation: Out of memory allocating 134217728 bytes." (XLA:CPU).
 _WRAPPERS = (r"INTERNAL: Error dispatching computation: ",)
-
-# The status at the start or after XLA's own wrappers only: anywhere else (inside a
-# user's text) it says nothing about who ran out.
 _STATUS_PATTERN = re.compile(rf"(?:{'|'.join(_WRAPPERS)})*{_STATUS}")
 
-# A size as XLA's allocators write it: "402653184 bytes", "3.00GiB", "1.2GiB".
-_SIZE = r"\d+(?:\.\d+)?\s?(?:bytes|[KMGTP]?i?B)"
-
 # XLA's, PJRT's and the CUDA libraries' words for a failed allocation, each with the size
-# or status name they always carry.
+# ("402653184 bytes", "3.00GiB") or status name they always carry.
+_SIZE = r"\d+(?:\.\d+)?\s?(?:bytes|[KMGTP]?i?B)"
 _ALLOCATION_FAILURES = (
     rf"Out of memory allocating {_SIZE}",  # XLA:CPU, the PJRT CPU client
     # XLA:GPU (H200): "... 3.00GiB with allocator GPU_0_bfc on device 0." (BFC) or

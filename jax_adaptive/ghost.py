@@ -38,14 +38,10 @@ def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
     The groups run in order in a ``lax.scan``: group ``i`` gets the model state group
     ``i - 1`` returned (never differentiated) and the key ``fold_in(rng, i)``; the
     outputs are concatenated, the state is the last group's. A group whose ``weights``
-    (the trainer's, passed as a keyword) are all 0 leaves the state as it was: padding
-    never moves the running averages.
-
-    With ``weights``, a micro-batch larger than a group must be a whole number of groups:
-    train with ``multiple_of=group_size`` and a ``target_batch_size`` that is a multiple
-    of it (else the last group mixes examples and padding). A micro-batch smaller than a
-    group is one group (per-micro-batch statistics). Without ``weights`` (evaluation), a
-    batch ends with a shorter group where it must.
+    (the trainer's) are all 0 leaves the state as it was: padding never moves it. With
+    ``weights``, train with ``multiple_of=group_size`` and a target batch that is a
+    multiple of it; a micro-batch smaller than a group is one group. Without them
+    (evaluation), a batch may end with a shorter group.
 
     Args:
         loss_fn: ``(params, model_state, batch, rng) -> (output, new_model_state)``,
@@ -57,7 +53,7 @@ def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
         new_model_state)``, to use with ``has_state=True``.
 
     Raises:
-        ValueError: when ``group_size`` is not positive, or when called with
+        ValueError: when ``group_size`` is not a positive int, or when called with
             ``weights`` on a batch larger than ``group_size`` and not a multiple of it.
 
     Examples:
