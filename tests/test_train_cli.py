@@ -241,7 +241,7 @@ def test_a_workdir_of_another_run_is_refused(tmp_path, capsys):
     assert main(flags) == 2
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     assert main([*flags, "--resume", "--seed", "1"]) == 2
-    assert "of another run (checkpoint vs now: {'seed': (0, 1)})" in capsys.readouterr().err
+    assert "of another training (--seed 0 there, 1 now)" in capsys.readouterr().err
 
 
 def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
@@ -644,3 +644,22 @@ def test_a_stopped_run_checkpoints_its_last_update_and_resumes_as_if_uninterrupt
     for a, b in zip(jax.tree.leaves(_final_params(whole, 6)),
                     jax.tree.leaves(_final_params(stopped, 6)), strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_refuses_another_training_and_takes_another_plan(tmp_path, capsys):
+    """Issue 32, fault 12: the ghost batch follows --micro-batch-size; a plan may differ."""
+    flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--eval-every", "0",
+             "--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]  # fmt: skip
+    assert main([*flags, "--updates", "1", "--micro-batch-size", "32"]) == 0  # ghost 32
+    capsys.readouterr()
+    assert main([*flags, "--updates", "2", "--resume", "--micro-batch-size", "8"]) == 2
+    out, err = capsys.readouterr()  # ghost 8: refused before anything is built
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert "ghost batch size 32 there, 8 now" in err, err
+    assert main([*flags, "--updates", "2", "--resume", "--learning-rate", "0.1"]) == 2
+    assert "--learning-rate 0.003 there, 0.1 now" in capsys.readouterr().err
+    # Auto, another objective, no simulated device: another plan, the same ghost batch.
+    more = ["--resume", "--objective", "max", "--no-simulated-device"]
+    assert main([*flags, "--updates", "2", *more]) == 0
+    assert "resumed at update 1" in capsys.readouterr().out
+

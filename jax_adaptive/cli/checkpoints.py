@@ -17,6 +17,7 @@ refuses, saying where they went.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -56,6 +57,19 @@ def state_digest(tree: Any, update: int, position: int) -> str:
         digest.update(f"{leaf.dtype.str}{leaf.shape}".encode())
         digest.update(leaf.tobytes())
     return digest.hexdigest()
+
+
+def _differs(key: str, there: Any, now: Any) -> str:
+    """A field on which a checkpoint's run and this one differ, as the user sets it.
+
+    Examples:
+        >>> _differs("learning_rate", 0.003, 0.1)
+        '--learning-rate 0.003 there, 0.1 now'
+    """
+    if key == "ghost_batch_size":  # no flag of its own
+        return (f"BatchNorm's ghost batch size {there} there, {now} now (it follows "
+                "--target-batch-size, --batch-schedule and --micro-batch-size)")  # fmt: skip
+    return f"--{key.replace('_', '-')} {there} there, {now} now"
 
 
 class _Damaged(Exception):
@@ -218,6 +232,26 @@ class Checkpoints:
                 f"{self.aside_directory} ({', '.join(p.name for p in self.aside())}); move "
                 "one back if it is intact, or start afresh in a new --workdir."
             )
+        latest = self.latest()
+        if latest is not None:
+            with contextlib.suppress(_Damaged):  # `restore` moves it aside
+                self._check_run(self._read(latest, "meta", ocp.args.JsonRestore()))
+
+    def _check_run(self, meta: Any) -> int:
+        """A checkpoint's data position, once its run is this one (a one-line refusal)."""
+        try:  # our own record: a structure other than ours is damage
+            run, position = dict(meta["run"]), int(meta["position"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Damaged(f"its metadata is not ours ({type(exc).__name__}: {exc})") from exc
+        differ = [k for k in {**run, **self.run} if run.get(k) != self.run.get(k)]
+        if differ:
+            said = "; ".join(_differs(k, run.get(k), self.run.get(k)) for k in differ)
+            raise ValueError(
+                f"the checkpoint in {self.directory} is of another training ({said}); resume "
+                "with the flags that wrote it (only the plan's may differ: --memory-limit, "
+                "--micro-batch-size, --objective, ...) or use a new --workdir."
+            )
+        return position
 
     @property
     def aside_directory(self) -> Path:
@@ -246,16 +280,7 @@ class Checkpoints:
         if reason is not None:
             raise _Damaged(reason)
         meta = self._read(update, "meta", ocp.args.JsonRestore())
-        try:  # our own record: a structure other than ours is damage
-            run, position = dict(meta["run"]), int(meta["position"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _Damaged(f"its metadata is not ours ({type(exc).__name__}: {exc})") from exc
-        if run != self.run:
-            diff = {k: (run.get(k), v) for k, v in self.run.items() if run.get(k) != v}
-            raise ValueError(
-                f"the checkpoint in {self.directory} is of another run (checkpoint vs now: "
-                f"{diff}); resume with the same flags or use a new --workdir."
-            )
+        position = self._check_run(meta)
         target = _to_saved(like)
         try:
             restored = self._read(update, "state", ocp.args.StandardRestore(target))["state"]

@@ -21,31 +21,30 @@ import numpy as np
 from jax_adaptive import models
 from jax_adaptive.cli.config import IMAGE_MODELS, TrainConfig, load_factory
 
-__all__ = ["GHOST_BATCH_SIZE", "ImageModel", "image_model", "multiple_of"]
+__all__ = ["GHOST_BATCH_SIZE", "ImageModel", "ghost_batch_size", "image_model", "multiple_of"]
 
 
 GHOST_BATCH_SIZE = 32
 """The examples each BatchNorm statistic of the ResNets is computed over, by default."""
 
 
-def _ghost_batch_size(config: TrainConfig, mutable: tuple[str, ...]) -> int | None:
-    """The ghost batch of a model with BatchNorm: the same training on any device.
+def ghost_batch_size(config: TrainConfig) -> int | None:
+    """The ghost batch of a zoo model with BatchNorm: the same training on any device.
 
     The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (every size
-    of a batch-size schedule, and a fixed micro-batch), at least 8; None
-    (per-micro-batch statistics) for a model without batch statistics, when no such
-    divisor exists, or in a data-parallel run (a micro-batch's groups, run one after
-    another, would each sit on one device).
+    of a schedule, and a fixed micro-batch), at least 8. None (per-micro-batch
+    statistics) for a model without BatchNorm or a user's, when no such divisor
+    exists, or in a data-parallel run (each group would sit on one device).
 
     Examples:
-        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96),
-        ...                  ("batch_stats",))
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
         32
-        >>> _ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100),
-        ...                  ("batch_stats",)) is None
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", micro_batch_size=8))
+        8
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100)) is None
         True
     """
-    if not mutable or config.data_parallel:
+    if not IMAGE_MODELS.get(config.model, (None, ()))[1] or config.data_parallel:
         return None
     fixed = config.micro_batch_size if isinstance(config.micro_batch_size, int) else 0
     size = math.gcd(GHOST_BATCH_SIZE, *config.target_sizes(), fixed)
@@ -95,7 +94,7 @@ def _metric_fn(eval_loss: Callable[..., Any], stateful: bool) -> Callable[..., A
 def _zoo_model(config: TrainConfig, num_classes: int) -> ImageModel:
     module_type, mutable = IMAGE_MODELS[config.model]
     module = module_type(num_classes=num_classes)
-    ghost = _ghost_batch_size(config, mutable)
+    ghost = ghost_batch_size(config)
     loss_fn = models.linen_classifier_loss(module, mutable=mutable, ghost_batch_size=ghost)
     eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False)
     return ImageModel(module, mutable, loss_fn, _metric_fn(eval_loss, bool(mutable)), {}, ghost)

@@ -27,7 +27,7 @@ from jax_adaptive.cli.datasets import (
     load_held_out,
     load_source,
 )
-from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
+from jax_adaptive.cli.image_models import ImageModel, ghost_batch_size, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, run_path, speed_text
 from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.distributed import data_mesh
@@ -307,6 +307,8 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     if config.batch_schedule is not None:
         run["batch_schedule"] = config.batch_schedule
+    if ghost_batch_size(config) is not None:  # a BatchNorm's statistics: the training's
+        run["ghost_batch_size"] = ghost_batch_size(config)
     # The stream's position after an update: the examples of the updates so far.
     per_update = (
         config.target_batch_size
