@@ -53,3 +53,15 @@ def not_a_pair(num_classes):
 def failing_model(num_classes):
     """A factory whose own code fails: its traceback must reach the user."""
     return CNN(num_classes=num_classes // 0), cross_entropy
+
+
+def three_classes(num_classes):
+    """Outputs 3 classes whatever the data has: its loss on 10-class labels is NaN."""
+    return CNN(num_classes=3), cross_entropy
+
+
+def exits(num_classes):
+    """A factory that ends the process: the run must not pass for one that trained."""
+    import sys
+
+    sys.exit(0)

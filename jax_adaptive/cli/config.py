@@ -75,6 +75,7 @@ class TrainConfig:
     target_tokens: int | None = None  # --model gpt: padded tokens per update
     max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
     data_parallel: bool = False  # split each micro-batch over all devices
+    allow_nonfinite: bool = False  # a NaN or infinite loss goes on instead of stopping
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.
@@ -213,7 +214,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         raise ValueError(f"--model {spec!r} must be a zoo model or package.module:factory.")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # an ImportError, or the module's own error at import
+    except (Exception, SystemExit) as exc:  # an ImportError, the module's own error or exit
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(
             f"--model {spec!r}: cannot import {module_name} ({type(exc).__name__}: {first})."

@@ -144,7 +144,7 @@ def _guarded(spec: str, what: str, call: Callable[[], Any]) -> Any:
         if str(exc).startswith("--model"):
             raise
         error: Exception = exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # an exit is no model either
         error = exc
     first = str(error).splitlines()[0] if str(error) else ""
     raise ValueError(f"--model {spec!r}: {what} raised {type(error).__name__}: {first}") from error

@@ -267,6 +267,12 @@ def _add_how_flags(parser: argparse.ArgumentParser) -> None:
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of data, init and dropout")
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="go on when an update's loss is NaN or infinite (by default the run stops there "
+        "with exit status 2, its last finite update checkpointed)",
+    )
 
 
 def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
@@ -337,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # a user's model or loss ended the process: no run
+        print(f"error: the run called sys.exit({exc.code!r}) before it ended", file=sys.stderr)
+        return 2
     except FitError as exc:
         if not isinstance(exc.__cause__, _ONE_LINE):
             raise  # its traceback, and the cause's

@@ -14,6 +14,7 @@ and prints its summary.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, TextIO
@@ -171,7 +172,8 @@ class RunHooks:
             return state
         try:
             state, _ = fit_loop(
-                step, state, batches, self.updates - self.done, progress=self.config.progress,
+                self._finite(step), state, batches, self.updates - self.done,
+                progress=self.config.progress,
                 after_update=self.after_update, on_update=self.on_update, start=self.done,
                 read_ahead=READ_AHEAD, unread=_dropped,
             )  # fmt: skip
@@ -182,6 +184,24 @@ class RunHooks:
             self._keep(getattr(exc, "state", None))
             raise
         return state
+
+    def _finite(self, step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]):
+        """``step``, refusing an update whose loss is not finite (unless allowed).
+
+        The update's state is dropped: the run stops with the last finite one.
+        """
+
+        def finite(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+            new, metrics = step(state, batch)
+            if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
+                raise ValueError(
+                    f"the loss of update {self.done + len(self.lines) + 1} is {metrics['loss']}; "
+                    "check the model against the data, or lower --learning-rate "
+                    "(--allow-nonfinite trains on)."
+                )
+            return new, metrics
+
+        return finite
 
     def after_update(
         self, update: int, state: TrainState, metrics: dict[str, Any]
