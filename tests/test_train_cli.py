@@ -687,3 +687,13 @@ def test_a_run_that_did_not_train_is_an_error(spec, more, status, says, tmp_path
     else:
         assert len(_metrics(tmp_path)) == 2
 
+
+def test_a_workdir_through_a_missing_directory_creates_nothing_else(tmp_path, monkeypatch):
+    """Issue 32: ``--workdir sub/../../wd`` made an empty ``sub/`` outside the workdir."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    flags = ["--model", "mlp", "--target-batch-size", "8", "--updates", "1", "--eval-every", "0"]
+    assert main([*flags, "--no-progress", "--workdir", "sub/../../wd"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "wd"]
+    assert not any((tmp_path / "cwd").iterdir())
+    assert (tmp_path / "wd" / "plan.json").exists() and (tmp_path / "wd" / "plans.json").exists()

@@ -157,7 +157,7 @@ class Checkpoints:
         examples_per_update: int | Callable[[int], int] | None = None,
     ):
         self.run = dict(run)
-        self.directory = Path(directory).absolute()
+        self.directory = Path(directory).resolve()
         self.examples_per_update = examples_per_update
         self._manager = ocp.CheckpointManager(
             self.directory,

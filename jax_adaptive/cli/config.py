@@ -103,12 +103,16 @@ class TrainConfig:
     def plan_cache_arg(self) -> str | bool | None:
         """The trainer's ``plan_cache``: by default the workdir's ``plans.json``, if any.
 
+        Paths are resolved (``sub/..`` is not a directory to create).
+
         Examples:
-            >>> TrainConfig(workdir="/tmp/run").plan_cache_arg()
+            >>> TrainConfig(workdir="/tmp/run/sub/..").plan_cache_arg()
             '/tmp/run/plans.json'
         """
         if self.plan_cache is None and self.workdir is not None:
-            return str(Path(self.workdir).absolute() / "plans.json")  # a resumed run keeps it
+            return str(Path(self.workdir).resolve() / "plans.json")  # a resumed run keeps it
+        if isinstance(self.plan_cache, str):
+            return str(Path(self.plan_cache).resolve())
         return self.plan_cache
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import decimal
 import re
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import jax
@@ -96,7 +97,7 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """
     check_config(config)
     if config.compilation_cache is not None:
-        enable_compilation_cache(config.compilation_cache)
+        enable_compilation_cache(Path(config.compilation_cache).resolve())
     if config.model == "gpt":
         return train_gpt(config, out=out)
     return train_images(config, out=out)

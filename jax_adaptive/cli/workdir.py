@@ -81,7 +81,7 @@ class Workdir(contextlib.AbstractContextManager):
         *,
         examples_per_update: int | Callable[[int], int] | None = None,
     ):
-        self.path, self.config = Path(path).absolute(), config
+        self.path, self.config = Path(path).resolve(), config
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
         try:
