@@ -38,7 +38,9 @@ import optax
 from jax_adaptive.checks import check_buckets
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import MemoryModel
+from jax_adaptive.plan import SizeTrial
 from jax_adaptive.read_ahead import Unread
+from jax_adaptive.sizing import Sizing
 from jax_adaptive.step import Params, TrainState
 from jax_adaptive.streams import Feed, Left
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -361,6 +363,7 @@ class BucketedTrainer:
         self.trainer_kwargs = trainer_kwargs
         self.axes = len(_dims(buckets[0]))
         self.trainers: dict[Bucket, AdaptiveTrainer] = {}
+        self.sizing: Sizing | None = None  # the buckets' one engine, once the first is made
         self.bucket_log: list[dict[str, Any]] = []  # one entry per bucket, in first use
         self._points: dict[tuple[int, int], int] = {}  # (positions, size) -> estimated bytes
 
@@ -468,21 +471,29 @@ class BucketedTrainer:
     def set_memory_limit(self, memory_limit: int | None) -> None:
         """Changes every bucket's cap (see `AdaptiveTrainer.set_memory_limit`)."""
         self.trainer_kwargs["memory_limit"] = memory_limit
-        for trainer in self.trainers.values():
-            trainer.set_memory_limit(memory_limit)
+        if self.sizing is not None:  # the buckets' one engine
+            self.sizing.set_memory_limit(memory_limit)
+
+    @property
+    def search_log(self) -> list[SizeTrial]:
+        """Every size decided, for every bucket: see `jax_adaptive.SizeTrial`."""
+        return [] if self.sizing is None else self.sizing.search_log
 
     # ----------------------------------------------------------------- internals
 
     def _new_trainer(self, bucket: Bucket) -> AdaptiveTrainer:
         size = self.examples_per_update(bucket)
         prior = self._predicted_line(_volume(bucket)) if self.predict else None
-        return AdaptiveTrainer(
+        trainer = AdaptiveTrainer(
             self.loss_fn,
             self.optimizer,
             target_batch_size=size,
             memory_prior=prior,
+            sizing=self.sizing,  # one engine: one device, limit, plan cache and search log
             **self.trainer_kwargs,
         )
+        self.sizing = trainer.sizing
+        return trainer
 
     def _planned(
         self, bucket: Bucket, trainer: AdaptiveTrainer, plan: Callable[[dict[str, Any]], Any]
@@ -496,7 +507,7 @@ class BucketedTrainer:
             for k, v in self._example.items()
         }
         example[self.mask_key] = np.ones((1, *dims), bool)
-        start, compiles = time.perf_counter(), trainer.compiles
+        start, compiles, tried = time.perf_counter(), trainer.compiles, len(trainer.search_log)
         out = plan(example)
         for s, nbytes in trainer.memory_model.points.items():
             self._points[(_volume(bucket), s)] = nbytes
@@ -512,6 +523,7 @@ class BucketedTrainer:
                 "micro_batch_size": trainer.micro_batch_size,
                 "accumulation_steps": trainer.accumulation_steps,
                 "compiles": trainer.compiles - compiles,
+                "sizes_tried": [trial.size for trial in trainer.search_log[tried:]],
                 "seconds": time.perf_counter() - start,
                 "predicted_micro_batch_size": predicted,
             }

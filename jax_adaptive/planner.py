@@ -95,6 +95,7 @@ class Planner:
             timed=self.sizing.device.platform == "cpu" and jax.process_count() == 1,
         )
         self._open = True  # no size above `largest` was tried: a larger target searches up
+        self._limit = self.sizing.memory_limit  # the limit the plan was made under
         self._limit_raised = False
         self._updates_since_grow = 0
 
@@ -195,6 +196,7 @@ class Planner:
         if target_batch_size is not None:
             self.target_batch_size = target_batch_size
         self.chunking.reset()  # another shape: its chunks are its own
+        self._limit, self._limit_raised = self.sizing.memory_limit, False
         self.sizing.measure_others(tree_bytes(self.executables.state_structs))
         if self.capacity() is not None:  # the state itself must fit: compile and check
             self.optimizer_step()
@@ -317,8 +319,9 @@ class Planner:
     # ------------------------------------------------------------ changes
 
     def start_update(self) -> None:
-        """Called at each update's start: grows back if the policy says so."""
+        """Called at each update's start: follows the limit, grows back if the policy says so."""
         self.program.start()
+        self._follow_limit()
         if self.fixed is not None or self.size == self.target_batch_size:
             return
         periodic = isinstance(self.grow, int) and self._updates_since_grow >= self.grow
@@ -341,19 +344,21 @@ class Planner:
         """Called after each update: counts it for the periodic grow policy."""
         self._updates_since_grow += 1
 
-    def set_memory_limit(self, memory_limit: int | None) -> None:
-        """Changes the cap; a raise lets the planner grow at the next update.
+    def _follow_limit(self) -> None:
+        """Notes a limit changed since the plan (on the engine, maybe by another trainer).
 
-        The chunk and whether the last program runs the optimizer step were decided
-        under the old cap: the next update decides them again, even at the same size.
-        With several processes the chunk stays (the processes agree on it together, and
-        a cap is one process's news): a chunk over a lowered cap fails its check and
+        A raise lets the size grow (``grow="on_limit_change"``). The chunk and the fused
+        last program were decided under the old limit: decided again, even at the same
+        size; with several processes the chunk stays (they agreed on it together, and a
+        limit is one process's news): a chunk over a lowered limit fails its check and
         the update goes on one micro-step per dispatch.
         """
-        old = self.sizing.memory_limit
-        self._limit_raised = self.sizing.set_memory_limit(memory_limit)
-        if memory_limit != old:
-            self.chunking.forget(chunk=jax.process_count() == 1)
+        old, limit = self._limit, self.sizing.memory_limit
+        if limit == old:
+            return
+        self._limit = limit
+        self._limit_raised = limit is None or (old is not None and limit > old)
+        self.chunking.forget(chunk=jax.process_count() == 1)
 
     def shrink(self, exc: BaseException, size: int) -> int:
         """Plans a smaller size after ``size`` ran out of memory (`Sizing.shrink`)."""

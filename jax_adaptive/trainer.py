@@ -170,12 +170,13 @@ class AdaptiveTrainer:
     # ----------------------------------------------------------------- what it holds
 
     compiles = _reads("_sizing.compiles", "Micro-step compiles so far (one per size measured).")
-    search_log = _reads("_sizing.search_log", "Every size decided: see `jax_adaptive.SizeTrial`.")
+    search_log = _reads("_sizing.search_log", "Every size decided (`jax_adaptive.SizeTrial`).")
     throughput_log = _reads("_planner.throughput_log", "What objective='throughput' timed.")
     memory_model = _reads("_planner.memory_model", "The sizes measured and their peaks.")
     trace_counts = _reads("_executables.trace_counts", "Traces of the micro-step per size.")
     host_bytes = _reads("_updater.host_bytes", "Bytes copied to the host for recovery.")
     memory_limit = _reads("_sizing.memory_limit", "The simulated device's bytes.")
+    sizing = _reads("_sizing", "The sizing engine (`jax_adaptive.sizing.Sizing`).")
     headroom = _reads("_sizing.headroom", "The share of a device's capacity left unused.")
     plan_cache = _reads("_sizing.plan_cache", "Where plans are remembered, or None.")
     mesh = _reads("placement.mesh", "The data-parallel mesh, or None.")
@@ -330,7 +331,7 @@ class AdaptiveTrainer:
             >>> trainer.memory_limit, trainer.capacity()
             (1073741824, 1073741824)
         """
-        self._planner.set_memory_limit(checks.check_limit(memory_limit))
+        self._sizing.set_memory_limit(memory_limit)
 
     def step(
         self, state: TrainState, batch: Batch, *, weights: Any = None

@@ -43,5 +43,5 @@ def test_the_capacity_leaves_out_headroom_and_what_other_arrays_hold():
     assert planner.capacity() == int(10**9 * 0.95) - others
     assert planner.plan.micro_batch_size == T  # a small model: the whole batch fits
     # A memory_limit below the device's capacity is the capacity.
-    planner.set_memory_limit(10**5)
+    sizing.set_memory_limit(10**5)
     assert planner.capacity() == 10**5
