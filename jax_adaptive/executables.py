@@ -1,24 +1,13 @@
-"""Compiling and measuring the jitted pieces of an update, per micro-batch size.
+"""The jitted pieces of an update, lowered per micro-batch size for one input shape.
 
 The one place that knows the micro-step's calling convention (`MicroArgs`, donation by
-name) and the optimizer step's. `Executables` lowers each ahead of time from
-``jax.ShapeDtypeStruct``s for the train state and one example it is bound to. The
-micro-step itself is the sizing engine's program (`jax_adaptive.sizing.Sizing`: one
-compile per size, its `Ledger` from XLA's memory analysis, kept per input signature);
-the chunks of several micro-steps, the update's last program and the optimizer step are
-compiled here, each measured the same way (`jax_adaptive.memory.program_ledger`): the
-whole resident state (JAX prunes the arguments a program does not read, such as Adam's
-moments in a micro-step, yet they stay on the device) and the inputs and outputs of
-every program in flight.
-
-Under a mesh, a loss without model state and parameters not split over the data axis
-(`Executables.per_device`), each device accumulates its own gradient (`per_device`):
-the micro-step and its chunks run no collective, the accumulator and the running totals
-carry a leading device axis split over the data axis (a device holds one accumulator,
-as when it is replicated), and the optimizer step sums them over the devices, the one
-reduction of an update. A loss with model state (BatchNorm) keeps the SPMD micro-step,
-whose statistics span the whole micro-batch, and its gradient all-reduce: per-device
-statistics would change what ``model_state`` is.
+name). The micro-step is the sizing engine's program (`jax_adaptive.sizing.Sizing`);
+chunks of several micro-steps, the update's last program (with the optimizer step) and
+the optimizer step are compiled here, each measured as the engine measures
+(`jax_adaptive.memory.program_ledger`: the whole resident state, what is in flight, the
+program). Under a mesh, a loss without model state accumulates per device (`per_device`):
+no collective in a micro-step, one reduction per update, in the optimizer step
+(docs/devices.md); a loss with model state keeps the SPMD micro-step.
 """
 
 from __future__ import annotations
@@ -83,11 +72,7 @@ def _shardings(structs: Any) -> Any:
 
 
 def zeros(structs: Any) -> Any:
-    """Zeros on the device, of the shapes, dtypes and shardings of ``structs``.
-
-    Structs that all carry a sharding get theirs from one cached program (an update
-    makes a fresh accumulator this way), the others one ``jnp.zeros`` each.
-    """
+    """Zeros of ``structs``' shapes, dtypes and shardings (one cached program when sharded)."""
     leaves, treedef = jax.tree.flatten(structs)
     if leaves and all(s.sharding is not None for s in leaves):
         return jax.tree.unflatten(treedef, _zeros_program(tuple(leaves))())
@@ -103,45 +88,29 @@ def _zeros_program(structs: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
 
 
 class Executables:
-    """Compiles the micro-step per size and the optimizer step, for one bound input shape.
+    """Lowers and compiles an update's programs for one bound input shape.
 
     Args:
-        loss_fn: the per-example loss (see `jax_adaptive.AdaptiveTrainer`).
-        optimizer: the inner optax optimizer.
-        sizing: the engine that compiles and measures the micro-step per size (`bind`
-            binds it to the shape: ``program``, a `jax_adaptive.sizing.Binding`).
-        has_aux: ``loss_fn`` returns ``(losses, aux)``.
-        has_state: ``loss_fn`` threads mutable model state.
+        loss_fn, optimizer, has_aux, has_state: as `jax_adaptive.AdaptiveTrainer` takes.
+        sizing: the engine; `bind` makes ``program`` its `jax_adaptive.sizing.Binding`.
         everywhere: where a replicated value lives (a device's or a mesh's sharding).
         data: the micro-batch's sharding over the data axis, or None on one device.
-        in_flight: how many programs the update dispatches ahead at most.
-        key: ``() -> {name: value}``: the plan's parts besides the programs (the target
-            batch size, the objective...), for the plan cache's key.
-        fingerprint_at: ``() -> size`` at which the micro-step's code is fingerprinted
-            for that key (one every model accepts).
+        in_flight: programs dispatched ahead at most.
+        key: ``() -> {name: value}``, the plan cache key's parts besides the programs.
+        fingerprint_at: ``() -> size`` the micro-step's code is fingerprinted at.
         memory_prior: a predicted ``(intercept, slope)`` of the micro-step's peak.
 
-    A *chunk* of ``c`` micro-steps of one size runs as one program (`scan_micro_steps`):
-    ``micro(size, chunk=c)`` takes ``c * size`` examples (``[c, size, ...]`` when
-    `per_device`). Chunk 1 is the plain micro-step the search compiles. ``final(size,
-    chunk=c, T)`` is the same program followed by the optimizer step
-    (`jax_adaptive.step.with_optimizer_step`): an update's last dispatch, when it fits.
-    The programs take the update's target batch size ``T`` at run time
-    (`MicroArgs.target`): one compile per size serves every target.
+    ``micro(size, chunk=c)`` is a chunk of ``c`` micro-steps in one program
+    (`jax_adaptive.step.scan_micro_steps`, ``c * size`` examples); ``final(size, c, T)``
+    the same followed by the optimizer step. Every program takes ``T`` at run time.
 
     Attributes:
-        chunk_compiles: compiles of chunks of several micro-steps.
-        final_compiles: compiles of last programs (micro-steps and the optimizer step).
-        trace_counts: traces of the micro-step per size (one each, never a retrace).
-        chunk_trace_counts: traces of the micro-step inside chunks and last programs,
-            per size.
-        per_device: each device accumulates its own gradient, reduced once per update
-            (decided at `bind`: a mesh, no model state, parameters not split over the
-            data axis).
-        acc_struct: the accumulator the micro-steps carry (``[D, ...]`` when
-            `per_device`, else the parameters' shape).
-        totals_struct: the running totals the micro-steps carry (``[D]`` each when
-            `per_device`, else scalars).
+        chunk_compiles, final_compiles: compiles of chunks and of last programs.
+        trace_counts, chunk_trace_counts: traces of the micro-step per size, alone and
+            inside chunks (one each: a retrace would show).
+        per_device: each device accumulates its own gradient (decided at `bind`).
+        acc_struct, totals_struct: the accumulator and totals the micro-steps carry
+            (``[D, ...]`` when `per_device`).
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -196,15 +165,10 @@ class Executables:
     # ------------------------------------------------------------ binding a shape
 
     def bind(self, state: TrainState, example_batch: Any) -> bool:
-        """Binds the programs to a placed train state and an example's shape.
+        """Binds the programs to a placed train state and an example's shape; True if new.
 
-        Binding another shape (or another state layout) drops the chunks, last programs
-        and optimizer steps of the previous one (they would not accept the new inputs)
-        and binds the sizing engine to the new shape's micro-step; what the engine
-        learned of a shape is kept for when it comes back.
-
-        Returns:
-            Whether anything changed.
+        Another shape drops the previous one's chunks and last programs; the engine
+        keeps what it learned of each shape for when it comes back.
         """
         structs = (jax.tree.map(_struct, state), example_structs(example_batch))
         if self._bound is not None and _same(self._bound, structs):
@@ -230,7 +194,7 @@ class Executables:
         self._finals: dict[tuple[int, int, bool], Executable] = {}
         # per (size, chunk, with the optimizer step, whole): kept when programs go
         self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
-        self._zero_totals: Any = None
+        self.zero_totals = zeros(self.totals_struct)  # never donated: every update starts here
         signature = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
         self.program = self.sizing.bind(signature, self._sized)
         return True
@@ -295,12 +259,6 @@ class Executables:
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.everywhere)
         return {name: scalar for name in ("loss", *aux)}
 
-    def zero_totals(self) -> Any:
-        """Device zeros of the running totals, made once per shape: never donated."""
-        if self._zero_totals is None:
-            self._zero_totals = zeros(self.totals_struct)
-        return self._zero_totals
-
     # ------------------------------------------------------------ the micro-step
 
     def micro_structs(self, size: int, chunk: int = 1) -> MicroArgs:
@@ -361,13 +319,7 @@ class Executables:
         return self._compiled[key]
 
     def ledger(self, size: int, chunk: int = 1) -> Ledger:
-        """Everything live on a device while programs of ``size`` run (see `Ledger`).
-
-        The resident state is counted whole, read or not. Each of the ``in_flight``
-        programs dispatched holds its transferred examples (``chunk * size``), its
-        outputs that are not aliased to a donated input (the new model state) and its
-        temporaries (a runtime may allocate them at dispatch).
-        """
+        """Everything live on a device while ``chunk`` micro-steps of ``size`` run."""
         if chunk == 1:
             return self.program.ledger(size)
         return self._ledger_of(size, chunk, whole=False, final=False)
@@ -401,12 +353,7 @@ class Executables:
         return tree_bytes(self.example) + 4
 
     def state_bytes(self) -> int:
-        """Bytes of the whole train state and the running totals on one device.
-
-        The accumulator counted is the one the micro-steps carry (`acc_struct`): a
-        device holds one row of a per-device accumulator, which replaces the state's
-        (`jax_adaptive.update` releases that one when an update starts).
-        """
+        """Bytes of the whole train state and the totals on one device (with `acc_struct`)."""
         self._require_bound()
         s = self.state_structs
         state = s._replace(opt_state=s.opt_state._replace(acc_grads=self.acc_struct))
@@ -443,16 +390,12 @@ class Executables:
         return self._optimizer[donate]
 
     def final(self, size: int, chunk: int, T: int) -> Executable:
-        """An update's last ``chunk`` micro-steps of ``size`` and the optimizer step, compiled.
+        """An update's last ``chunk`` micro-steps of ``size``, then the optimizer step.
 
-        It takes the arguments of ``micro(size, chunk)``, donates what it donates (the
-        train state stays intact: a failure loses nothing) and returns ``(params,
-        opt_state, model_state, means)`` (`jax_adaptive.step.with_optimizer_step`).
-        When those micro-steps are the whole update of ``T`` examples (`whole`), it
-        neither reads nor donates the accumulator and returns
-        ``opt_state.acc_grads=None``: the state's, zeros between updates, stays the new
-        state's. Compiled once per size, chunk and whether it is whole; `final_ledger`
-        is its peak.
+        It takes ``micro(size, chunk)``'s arguments, donates what it donates (the state
+        stays intact) and returns ``(params, opt_state, model_state, means)``; when it is
+        the whole update of ``T`` (`whole`) it leaves the state's accumulator (zeros)
+        unread and returns ``acc_grads=None`` (`jax_adaptive.step.with_optimizer_step`).
         """
         return self._final(size, chunk, self.whole(size, chunk, T))
 
@@ -476,11 +419,7 @@ class Executables:
         return self._finals[key]
 
     def whole(self, size: int, chunk: int, T: int) -> bool:
-        """Whether ``chunk`` micro-steps of ``size`` are a whole update of ``T`` examples.
-
-        Its last program then starts from zeros instead of the state's accumulator
-        (one device's: not `per_device`, whose accumulator has a device axis).
-        """
+        """Whether ``chunk`` micro-steps of ``size`` are a whole update of ``T`` (one device's)."""
         return not self.per_device and chunk == math.ceil(T / size)
 
     def _compile(self, lower: Any, size: int | None = None) -> Executable:
@@ -488,11 +427,7 @@ class Executables:
         return compile_measured(lower, None if size is None else self.sizing.fault_hook, size)
 
     def new_state_bytes(self) -> int:
-        """Bytes an optimizer step writes beside the state it does not donate.
-
-        The parameters and the inner optimizer state: a lower bound of what `final`
-        adds to the micro-steps' ledger.
-        """
+        """Bytes an optimizer step writes beside the state (a lower bound of `final`'s extra)."""
         self._require_bound()
         s = self.state_structs
         return tree_bytes((s.params, s.opt_state.inner_opt_state))
@@ -517,12 +452,9 @@ class Executables:
         chunk: int = 1,
         reps: int = 3,
     ) -> float:
-        """The fastest of ``reps`` runs of a program of ``micro(size, chunk)``'s arguments.
+        """The fastest of ``reps`` runs of a chunk or last program, in seconds, on zeros.
 
-        In seconds, on ``state`` and a batch of zeros, for updates of ``T`` examples,
-        after a first run that warms up. ``executable`` is ``micro(size, chunk)`` or
-        ``final(size, chunk, T)``. Out-of-memory errors propagate: the caller decides
-        what they mean.
+        Out-of-memory propagates: the caller decides what it means.
         """
         structs = self.micro_structs(size, chunk)
         w = structs.weights

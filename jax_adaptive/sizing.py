@@ -1,25 +1,13 @@
 """The one sizing engine: which sizes of a program fit the device, and which one to run.
 
-A client (the trainer's planner for micro-steps, `jax_adaptive.Evaluator` for
-evaluation batches, `jax_adaptive.AdaptiveStep` for a step the user builds) says only
-what its program is for one input signature, as a `Sized`: how to lower it at a size,
-what stays resident, what each call transfers, what its plan-cache key holds.
-`Sizing` does the rest, once for every client:
-
-* **capacity**: ``memory_limit`` (a device of that many bytes, compared exactly) and,
-  where the device says (a GPU), its capacity less ``headroom`` less what other arrays
-  held when the plan was made;
-* **the ledger** of a size (`jax_adaptive.memory.Ledger`) from XLA's memory analysis,
-  compiled once per size, measured once ever: the programs of sizes not in use are
-  released, their measures kept;
-* **the search** for the largest size that fits (`jax_adaptive.search_max_size`,
-  guided by the `jax_adaptive.memory.MemoryModel` of the sizes measured), every trial
-  recorded as a `jax_adaptive.SizeTrial` and said on the ``jax_adaptive`` logger;
-* **the plan cache**: the key, the entry a run of the same job stored, the entry put;
-* **out-of-memory**: the lower capacity a real one teaches, and the shrink to the
-  largest size below the one that failed, retrying the smallest a few times in a row;
-* **one binding per input signature**, kept: a client that alternates between input
-  shapes finds each shape's measures, plan and compiled program where it left them.
+A client (the trainer's planner, `jax_adaptive.Evaluator`, `jax_adaptive.AdaptiveStep`)
+says what its program is for one input signature, as a `Sized`; `Sizing.bind` gives it
+that signature's `Binding`, kept for when the signature comes back. The engine owns,
+once for every client: the capacity (``memory_limit``, compared exactly, and a GPU's own
+less ``headroom`` and other arrays), each size's ledger from XLA's memory analysis
+(compiled once, measured once ever), the search guided by the memory model, the plan
+cache, the capacity a real out-of-memory teaches, and the shrink after one, retrying the
+smallest size a few times in a row (docs/memory.md, docs/recovery.md).
 
 Every trial is logged at INFO on the ``jax_adaptive`` logger, which writes to stderr by
 default; ``logging.getLogger("jax_adaptive").setLevel(logging.WARNING)`` silences it.
@@ -90,10 +78,9 @@ class Executable(NamedTuple):
 def compile_measured(
     lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
 ) -> Executable:
-    """Compiles what ``lower()`` lowers, timed, with XLA's memory analysis of it.
+    """Compiles what ``lower()`` lowers, timed (lowering included), with XLA's memory report.
 
-    ``fault_hook.before_compile(size)`` runs first when a hook is given (the compile of
-    that size may be made to fail). The time counts the lowering ``lower`` does.
+    ``fault_hook.before_compile(size)`` runs first (it may make the compile fail).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -112,21 +99,17 @@ class Sized(NamedTuple):
     """What a client says of the program it sizes, for one input signature.
 
     Attributes:
-        lower: ``size -> jax.stages.Lowered``: traces the program at that size (the
-            user's code runs here; its errors propagate as themselves).
-        resident: bytes live on the device whatever the size (the train state, the
-            parameters), counted whole whether the program reads them or not.
-        inputs: ``size -> bytes`` each call transfers (the batch in flight).
-        key: ``() -> {name: value}``, what besides the device, the limits and the
-            program's code decides the plan (the plan cache's key).
-        in_flight: calls dispatched at once; each holds its inputs, new outputs and
-            temporaries.
-        off_line: a size whose peak lies off the line of the others (a micro-batched
-            step at the whole batch runs no loop), left out of the memory model's
-            guesses.
+        lower: ``size -> jax.stages.Lowered`` (the user's code traces here; its errors
+            propagate as themselves).
+        resident: bytes live whatever the size (counted whole, read or not).
+        inputs: ``size -> bytes`` each call transfers.
+        key: ``() -> {name: value}``: what besides the device, the limits and the code
+            decides the plan (the plan cache's key).
+        in_flight: calls dispatched at once (each holds inputs, outputs, temporaries).
+        off_line: a size whose peak lies off the others' line (a micro-batched step at
+            the whole batch runs no loop), left out of the memory model's guesses.
         prior: a predicted ``(intercept, slope)`` of the peak against the size.
-        fingerprint_at: ``() -> size`` whose lowered text fingerprints the program (a
-            size every model accepts: a multiple of the ghost batch and the shards).
+        fingerprint_at: ``() -> size`` whose lowered text fingerprints the program.
     """
 
     lower: Callable[[int], Any]
@@ -140,10 +123,7 @@ class Sized(NamedTuple):
 
 
 class Binding:
-    """The engine's knowledge of one input signature's program, and the decisions on it.
-
-    Made by `Sizing.bind`; a client keeps it while its inputs keep their shapes (a
-    signature seen again gets its binding back, with all it learned).
+    """What the engine knows of one signature's program, and its decisions on it.
 
     Attributes:
         sized: what the client said of the program.
@@ -229,10 +209,10 @@ class Binding:
     # ------------------------------------------------------------ deciding sizes
 
     def fits(self, size: int, reason: str) -> bool:
-        """Decides one size: compiles it (once ever), compares its ledger, records the trial.
+        """Decides one size (compiled once ever) and records the trial.
 
-        A size fails when compiling it runs out of memory, when its ledger exceeds the
-        capacity, or when it lies above the capacity learned from real runs.
+        It fails when compiling it runs out of memory, or its ledger exceeds the
+        capacity or the capacity learned from real runs.
         """
         start = time.perf_counter()
         measured = size in self._ledgers
@@ -254,15 +234,11 @@ class Binding:
     def largest_fitting(
         self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1
     ) -> int:
-        """The largest size in ``[max(lo, least), hi]`` that fits, agreed between processes.
+        """The largest size in ``[max(lo, least), hi]`` that fits, agreed; kept as ``largest``.
 
-        Multiples of ``multiple_of`` (itself a multiple of ``least``) are preferred;
-        when none fits, multiples of ``least`` below ``multiple_of`` are tried. The
-        result is also kept as ``largest``.
-
-        Raises:
-            NothingFitsError: not even the smallest candidate fits; says the bytes it
-                needs and the bytes available.
+        Multiples of ``multiple_of`` (a multiple of ``least``) first; multiples of
+        ``least`` below it when none fits; else `jax_adaptive.NothingFitsError`, with
+        the bytes needed and available.
         """
         lo = max(lo, least)
         if hi < lo:
@@ -333,10 +309,7 @@ class Binding:
         )
 
     def cached(self, bound: int, reason: str) -> int | None:
-        """The size a run of the same job stored (recorded as a trial), or None.
-
-        ``bound``: the largest size that makes sense (an entry above it is ignored).
-        """
+        """The size a run of the same job stored, up to ``bound`` (recorded), or None."""
         if self.engine.plan_cache is None:
             return None
         start = time.perf_counter()
@@ -378,9 +351,8 @@ class Binding:
     def failed(self, exc: BaseException, size: int, reason: str) -> bool:
         """Records that ``size`` ran out of memory; returns whether it was real.
 
-        A real out-of-memory says the ledger was optimistic: the capacity the search
-        aims under becomes the failed size's peak less ``headroom`` the first time since
-        `start`, and half of it each further time (the peak is then no guide).
+        A real one teaches a capacity below the peak: less ``headroom`` the first time
+        since `start`, half of it after (`jax_adaptive.memory.learned_capacity`).
         """
         real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
         peak = self.peak(size)
@@ -402,10 +374,9 @@ class Binding:
     ) -> int:
         """The largest size below ``size`` that fits, after ``size`` ran out of memory.
 
-        At the smallest size (``least``), or when nothing below fits, a real
-        out-of-memory is retried at ``least`` up to ``oom_retries`` times in a row (it
-        can pass: fragmentation, another job's peak); past that, or for a simulated
-        one, `NothingFitsError` is raised from ``exc``.
+        When nothing below fits, a real out-of-memory is retried at ``least`` up to
+        ``oom_retries`` times in a row (it can pass: another job's peak); past that, or
+        for a simulated one, `jax_adaptive.NothingFitsError` is raised from ``exc``.
         """
         real = self.failed(exc, size, reason)
         try:
@@ -426,17 +397,14 @@ class Sizing:
     """The sizing engine of one device: capacity, ledgers, search, plan cache, shrink.
 
     Args:
-        what: how a size is named in logs and errors, followed by the size
-            (``"micro-step of"``: "micro-step of 64 does not fit").
-        memory_limit: bytes: a device of that size (on a CPU, a simulated one).
-        headroom: the share of a device's real capacity left unused; never applied to
-            ``memory_limit``.
+        what: how a size is named in logs and errors (``"micro-step of"``).
+        memory_limit: bytes of a device (on a CPU, a simulated one).
+        headroom: the share of a device's real capacity left unused (not of the limit).
         device: the device whose capacity counts (the first local device by default).
         plan_cache: where plans are remembered, or None.
-        oom_retries: real out-of-memory errors in a row retried at the smallest size
-            before giving up.
-        agree: what every process plans from the size this one found (the smallest any
-            found, under ``jax.distributed``); the size itself by default.
+        oom_retries: real out-of-memory errors in a row retried at the smallest size.
+        agree: the size every process plans from this one's (under ``jax.distributed``
+            the smallest any found); the size itself by default.
 
     Attributes:
         search_log: every `jax_adaptive.SizeTrial`, in order, of every signature.
@@ -479,8 +447,6 @@ class Sizing:
         self._bindings: dict[Hashable, Binding] = {}
         self._others = 0  # bytes other live arrays held on the device at the last plan
 
-    # ------------------------------------------------------------ capacity
-
     def capacity(self) -> int | None:
         """The bytes a ledger may reach; None when unknown (a CPU with no limit)."""
         return usable_capacity(self.memory_limit, self.device, self.headroom, self._others)
@@ -496,36 +462,20 @@ class Sizing:
             return old is not None
         return old is not None and memory_limit > old
 
-    # ------------------------------------------------------------ signatures
-
     def bind(self, signature: Hashable, sized: Callable[[], Sized]) -> Binding:
-        """The `Binding` of ``signature``'s program: made at its first use, kept after.
-
-        A signature seen before keeps what was learned of it (its measures, its plan,
-        its compiled program); ``sized()`` is called only for a new one.
-        """
+        """The `Binding` of ``signature``'s program (``sized()`` makes it once; kept after)."""
         binding = self._bindings.get(signature)
         if binding is None:
             binding = self._bindings[signature] = Binding(self, sized())
         return binding
 
-    # ------------------------------------------------------------ the log
-
     def record(
-        self,
-        size: int,
-        fits: bool,
-        ledger: Ledger | int | None,
-        seconds: float,
-        decided_by: DecidedBy,
-        reason: str,
-    ) -> SizeTrial:
+        self, size: int, fits: bool, ledger: Ledger | int | None, seconds: float,
+        decided_by: DecidedBy, reason: str,
+    ) -> SizeTrial:  # fmt: skip
         """Appends a `jax_adaptive.SizeTrial` to ``search_log`` and logs it at INFO.
 
-        ``ledger``: the size's `jax_adaptive.memory.Ledger` (its parts are recorded),
-        its total bytes alone, or None when unknown. `fits` records its own trials;
-        this is also for trials decided elsewhere (a plan cache, a run that ran out of
-        memory).
+        ``ledger``: the size's `jax_adaptive.memory.Ledger`, its total alone, or None.
         """
         parts = (
             (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()

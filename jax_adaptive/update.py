@@ -186,8 +186,7 @@ class Updater:
             acc = zeros(ex.acc_struct)
         elif _is_deleted(acc):  # donated to a micro-step that failed
             acc = zeros(ex.acc_struct)
-        zero_totals = ex.zero_totals()  # never donated: every update starts from them
-        return _Progress(acc, state.opt_state.mini_step, state.model_state, zero_totals)
+        return _Progress(acc, state.opt_state.mini_step, state.model_state, ex.zero_totals)
 
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
