@@ -1,27 +1,13 @@
-"""Variable input shapes: shape buckets, a plan per bucket, token budgets.
+"""Variable input shapes: shape buckets, a plan per bucket, token budgets (docs/buckets.md).
 
-A sequence is padded to the smallest bucket that holds it (with a mask), so a run
-compiles one micro-step per bucket and micro-batch size, not one per length (a bucket may
-also be a shape of several axes, ``(H, W)`` for images of varying resolution). Each update
-takes the sequences of one bucket (as ``tf.data``'s ``bucket_by_sequence_length`` does),
-and `BucketedTrainer` keeps one `AdaptiveTrainer` per bucket, sharing one train state:
-each bucket's plan (micro-batch size, compiled executable) is searched on the bucket's
-first use and stored in the plan cache.
-
-* **Token budgets.** With ``target_tokens``, an update of bucket ``L`` holds
-  ``target_tokens // L`` sequences: a budget of padded tokens, which is what memory
-  sees (as fairseq's ``--max-tokens``). Micro-batches hold as many sequences of ``L``
-  as fit.
-* **Exact weighting.** The loss gives each sequence's summed token loss; a weight per
-  sequence, set on the host from the update's real token count ``N``, makes the
-  accumulated gradient ``sum over real tokens / N`` (``weighting="token"``, the default
-  for language models) or the mean over sequences of their per-token means
-  (``"example"``), whatever the micro-batch sizes and the padding.
-* **Cheap new buckets.** The peak of a micro-step of ``m`` sequences of length ``L`` is
-  close to ``a + b L + m (c L + d L^2)`` (activations grow with ``m L``, attention with
-  ``m L^2``). Fitted to the estimates compiled for the buckets seen, it predicts a new
-  bucket's line; seeded with it, the search checks the prediction and its neighbour:
-  two compiles when it is right.
+A sequence is padded to the smallest bucket that holds it (a length, or a shape of
+several axes such as ``(H, W)``), with a mask, so a run compiles one micro-step per bucket
+and size; each update takes one bucket's examples. `BucketedTrainer` keeps an
+`AdaptiveTrainer` per bucket sharing one train state and one sizing engine (each bucket
+a binding of its own); with ``target_tokens`` an update of bucket ``L`` holds
+``target_tokens // L`` sequences; per-sequence weights from the real token count keep
+every update exact; a new bucket's search starts at the size the buckets seen predict
+(`jax_adaptive.memory.predict_line`).
 """
 
 from __future__ import annotations
@@ -37,7 +23,7 @@ import optax
 
 from jax_adaptive.checks import check_buckets
 from jax_adaptive.loop import fit_loop
-from jax_adaptive.memory import MemoryModel
+from jax_adaptive.memory import MemoryModel, predict_line
 from jax_adaptive.plan import SizeTrial
 from jax_adaptive.read_ahead import Unread
 from jax_adaptive.sizing import Sizing
@@ -53,7 +39,6 @@ __all__ = [
     "bucket_for",
     "pad_to_bucket",
     "pow2_buckets",
-    "predict_line",
 ]
 
 Weighting = Literal["token", "example", "none"]
@@ -171,12 +156,7 @@ class BucketBatch(NamedTuple):
 
 
 class _Waiting:
-    """Examples read from a stream and not yet emitted: in ``buckets``, or ``unread``.
-
-    ``unread`` were read ahead and handed back (`jax_adaptive.read_ahead.Unread`: the
-    examples, then the stream's error if it raised one), to be bucketed first by the
-    stream's next reader.
-    """
+    """Examples read and not yet emitted: in ``buckets``, or read ahead and handed back."""
 
     def __init__(self) -> None:
         self.buckets: dict[Bucket, list[Mapping[str, Any]]] = {}
@@ -201,26 +181,17 @@ def bucket_batches(
 ) -> Iterator[BucketBatch]:
     """Groups a stream of examples into padded batches of one bucket each.
 
-    A bucket's batch is emitted as soon as it holds ``sizes[bucket]`` examples, so the
-    stream's order is kept within a bucket and no example is dropped or seen twice.
-    What waits in the buckets belongs to the stream: given an iterator (``iter(x) is
-    x``: a generator, a file reader), a later ``bucket_batches`` of that iterator starts
-    from it (bucketed again under its own buckets), so a second
-    `jax_adaptive.BucketedTrainer.fit` on the iterator skips nothing. An iterable that
-    is not an iterator (a list) is read afresh; what waits when it ends is not emitted.
-
-    With ``read_ahead``, a background thread reads that many examples ahead
-    (`jax_adaptive.streams.Feed`), so that reading them overlaps the training on the
-    batches before; closing the generator (``close()``, or ``contextlib.closing``) stops
-    it and keeps what it read with the stream, as above (a generator dropped unclosed
-    keeps it when it is collected).
+    A bucket's batch is emitted once it holds ``sizes[bucket]`` examples: the order is
+    kept within a bucket, nothing dropped or seen twice. What waits in the buckets, or
+    was read ahead by a background thread (``read_ahead``), stays with an iterator's
+    stream when the generator is closed: a later ``bucket_batches`` of the same iterator
+    starts from it. A list is read afresh; what waits when it ends is not emitted.
 
     Args:
         examples: dicts of arrays whose leading axes vary (``[len, ...]`` sequences).
         sizes: examples per batch, for each bucket.
         mask_key: the mask's name in the batches.
-        read_ahead: how many examples a background thread may read before they are
-            needed (0: the stream is read here, an example when it is needed).
+        read_ahead: examples a background thread may read ahead (0: none).
 
     Examples:
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
@@ -289,28 +260,21 @@ class BucketedTrainer:
 
     Args:
         loss_fn: ``(params, batch, rng) -> [m]``, each example's loss summed over its
-            real positions (`jax_adaptive.models.gpt_token_loss` is one); the batch holds
-            the padded fields ``[m, *bucket, ...]`` and ``mask_key`` (``[m, *bucket]``).
-            The model must keep padding out of the real positions (a causal model with
-            padding at the end does; a convolution must mask between layers).
+            real positions (`jax_adaptive.models.gpt_token_loss`); the batch holds the
+            padded fields ``[m, *bucket, ...]`` and ``mask_key``. The model must keep
+            padding out of the real positions.
         optimizer: any ``optax.GradientTransformation``.
-        buckets: the bucket lengths (`pow2_buckets` gives the default policy), or
-            shapes of several leading axes, such as ``(H, W)`` for images.
-        target_tokens: padded positions per update: an update of bucket ``L`` takes
-            ``target_tokens // L`` examples (``// (H * W)`` for a shape). Give this or
-            ``target_batch_size``.
+        buckets: lengths (`pow2_buckets`), or shapes of several leading axes.
+        target_tokens: padded positions per update (``target_tokens // L`` examples in
+            bucket ``L``); give this or ``target_batch_size`` (sequences per update).
         target_batch_size: sequences per update, whatever the bucket.
-        weighting: ``"token"`` (each real token weighs the same: the update's gradient is
-            the sum of token losses over its real token count), ``"example"`` (each
-            sequence weighs the same: the mean of per-token means) or ``"none"`` (the
-            loss is already each example's, such as a classifier's: their mean).
-        count_tokens: ``batch -> [n]`` real tokens per sequence, as the loss counts them
-            (``mask.sum(axis=1)`` by default; for next-token prediction,
-            ``mask[:, 1:].sum(axis=1)``).
+        weighting: ``"token"`` (each real token weighs the same), ``"example"`` (each
+            sequence: the mean of per-token means) or ``"none"`` (a plain mean).
+        count_tokens: ``batch -> [n]`` real tokens per sequence as the loss counts them
+            (``mask.sum(axis=1)`` by default).
         mask_key: the mask's name in batches.
         predict: seed a new bucket's search with the line the buckets seen predict.
-        **trainer_kwargs: passed to each bucket's `AdaptiveTrainer` (``memory_limit``,
-            ``plan_cache``, ``multiple_of``, ``device``, ``mesh``...).
+        **trainer_kwargs: passed to each bucket's `AdaptiveTrainer`.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -445,23 +409,15 @@ class BucketedTrainer:
             sequences: dicts of per-sequence arrays (``mask_key`` marks real tokens).
             num_updates: stop after this many updates (None: when the stream ends).
             on_update: called as ``on_update(update, metrics)`` after each update.
-            read_ahead: how many sequences a background thread reads before they are
-                needed, while the updates run, so that the loader's work (reading,
-                tokenizing) overlaps training, as `jax_adaptive.AdaptiveTrainer.fit`'s
-                read-ahead does for batches; 0 (the default) reads the stream in this
-                thread. Each sequence crosses from the thread on its own, and the two
-                threads share Python's lock: on a 2-core CPU, two updates' sequences
-                read ahead made updates 9% slower for a loader of a third of the
-                update's time, and 22% faster for one longer than the update
-                (``experiments/loader_overlap.py``): give it when the loader is slow.
+            read_ahead: sequences a background thread reads while updates run (0: none);
+                worth it for a slow loader (``experiments/loader_overlap.py``, in
+                docs/benchmarks.md).
 
         Returns:
             The state and one metrics dict (host values) per update.
 
         Raises:
-            FitError: any error part-way (a sequence longer than every bucket, say), as
-                its ``__cause__``, with ``.state`` (the last good state) and ``.history``
-                (the metrics of the updates done), as `jax_adaptive.AdaptiveTrainer.fit`.
+            FitError: any error part-way, as `jax_adaptive.AdaptiveTrainer.fit`.
         """
         sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
         batches = bucket_batches(sequences, sizes, self.mask_key, read_ahead=read_ahead)
@@ -535,46 +491,3 @@ class BucketedTrainer:
         if capacity is None:
             return None
         return predict_line(self._points, positions, capacity)
-
-
-def predict_line(
-    points: Mapping[tuple[int, int], int], length: int, capacity: int
-) -> tuple[float, float] | None:
-    """A new bucket's predicted ``(intercept, slope)`` of peak bytes against micro-batch size.
-
-    Least squares over the estimates compiled for the buckets seen, those near the
-    capacity (XLA's peak is least linear at tiny sizes), of ``a + m L`` from one bucket
-    (its line scaled by the length) and of ``a + b L + m (c L + d L^2)`` from two on.
-
-    Args:
-        points: ``{(length, size): estimated bytes}`` of the buckets seen; a bucket's
-            length is its number of positions (``H * W`` for an image shape).
-        length: the new bucket's.
-        capacity: the bytes a micro-step may use.
-
-    Returns:
-        The line, or None without points or when the fit does not grow with the size.
-
-    Examples:
-        >>> peak = lambda L, m: 1_000 + 10 * L + m * (3 * L + L * L)
-        >>> seen = {(L, m): peak(L, m) for L in (16, 32) for m in (2, 5, 9)}
-        >>> [round(x) for x in predict_line(seen, 64, capacity=1)]  # a + bL, cL + dL^2
-        [1640, 4288]
-    """
-    if not points:
-        return None
-    lengths = {L for L, _ in points}
-    near = [k for k, v in points.items() if v >= capacity / 4]
-    keys = near if {L for L, _ in near} == lengths else list(points)
-    one_bucket = len(lengths) == 1
-
-    def features(L: int, m: int) -> list[float]:
-        return [1.0, m * L] if one_bucket else [1.0, L, m * L, m * L * L]
-
-    a = np.array([features(L, m) for L, m in keys], np.float64)
-    b = np.array([points[k] for k in keys], np.float64)
-    scale = np.abs(a).max(axis=0)
-    coeffs = np.linalg.lstsq(a / scale, b, rcond=None)[0] / scale
-    intercept = float(np.dot(features(length, 0), coeffs))
-    slope = float(np.dot(features(length, 1), coeffs)) - intercept
-    return (intercept, slope) if slope > 0 else None

@@ -27,6 +27,7 @@ __all__ = [
     "learned_capacity",
     "memory_report",
     "others_bytes",
+    "predict_line",
     "program_ledger",
     "tree_bytes",
     "usable_capacity",
@@ -331,3 +332,46 @@ class MemoryModel:
             return guess
 
         return propose
+
+
+def predict_line(
+    points: Mapping[tuple[int, int], int], length: int, capacity: int
+) -> tuple[float, float] | None:
+    """A new bucket's predicted ``(intercept, slope)`` of peak bytes against micro-batch size.
+
+    Least squares over the estimates compiled for the buckets seen, those near the
+    capacity (XLA's peak is least linear at tiny sizes), of ``a + m L`` from one bucket
+    (its line scaled by the length) and of ``a + b L + m (c L + d L^2)`` from two on.
+
+    Args:
+        points: ``{(length, size): estimated bytes}`` of the buckets seen; a bucket's
+            length is its number of positions (``H * W`` for an image shape).
+        length: the new bucket's.
+        capacity: the bytes a micro-step may use.
+
+    Returns:
+        The line, or None without points or when the fit does not grow with the size.
+
+    Examples:
+        >>> peak = lambda L, m: 1_000 + 10 * L + m * (3 * L + L * L)
+        >>> seen = {(L, m): peak(L, m) for L in (16, 32) for m in (2, 5, 9)}
+        >>> [round(x) for x in predict_line(seen, 64, capacity=1)]  # a + bL, cL + dL^2
+        [1640, 4288]
+    """
+    if not points:
+        return None
+    lengths = {L for L, _ in points}
+    near = [k for k, v in points.items() if v >= capacity / 4]
+    keys = near if {L for L, _ in near} == lengths else list(points)
+    one_bucket = len(lengths) == 1
+
+    def features(L: int, m: int) -> list[float]:
+        return [1.0, m * L] if one_bucket else [1.0, L, m * L, m * L * L]
+
+    a = np.array([features(L, m) for L, m in keys], np.float64)
+    b = np.array([points[k] for k in keys], np.float64)
+    scale = np.abs(a).max(axis=0)
+    coeffs = np.linalg.lstsq(a / scale, b, rcond=None)[0] / scale
+    intercept = float(np.dot(features(length, 0), coeffs))
+    slope = float(np.dot(features(length, 1), coeffs)) - intercept
+    return (intercept, slope) if slope > 0 else None

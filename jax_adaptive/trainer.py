@@ -81,7 +81,7 @@ class AdaptiveTrainer:
         param_sharding: ``PartitionSpec``s for (a prefix of) the parameters, with a mesh.
         in_flight: programs dispatched and not finished at once (each in the ledger).
         memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the
-            size (`jax_adaptive.buckets.predict_line`), guiding the first compiles.
+            size (`jax_adaptive.memory.predict_line`), guiding the first compiles.
         sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (one device,
             limit, plan cache and search log); ``memory_limit``, ``headroom``,
             ``plan_cache`` and ``oom_retries`` are then its own.

@@ -18,8 +18,8 @@ import pytest
 from helpers import assert_trees_close
 
 import jax_adaptive as ja
-from jax_adaptive.buckets import bucket_for, predict_line
-from jax_adaptive.memory import MemoryModel
+from jax_adaptive.buckets import bucket_for
+from jax_adaptive.memory import MemoryModel, predict_line
 from jax_adaptive.models import GPT, gpt_token_loss
 from jax_adaptive.testing import inject_oom
 
