@@ -44,7 +44,7 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
     assert lines[0].startswith("simulating a device of ") and "--no-simulated-device" in lines[0]
     micro, steps = (int(x) for x in lines[1].split("micro-batch ")[1].split()[:3:2])
     assert lines[1].startswith("plan: ") and steps > 1 and micro * steps >= 256, lines[1]
-    searched = _compiles(lines[1], " sizes compiled")
+    searched = _compiles(lines[1], " size")
     assert searched >= 2 and "plan cache" not in lines[1]  # a search, not a cached plan
     updates = [line for line in lines if line.startswith("update")]
     losses = [float(line.split("loss")[1].split()[0]) for line in updates]
@@ -502,7 +502,7 @@ def test_a_scheduled_run_counts_every_compile_says_its_steady_speed_and_each_pla
     flags = ["--batch-schedule", "0:16,3:64", "--updates", "6", "--eval-every", "0"]
     assert main([*flags, "--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    searched = _compiles(out[1], " sizes compiled")  # the plan line: the first search's
+    searched = _compiles(out[1], " size")  # the plan line: the first search's
     metrics = _metrics(tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     compiles = sum(p["compiles"] for p in plan["plans"])

@@ -1,18 +1,8 @@
-"""Checkpoints of a run with orbax: the train state, the data position and the run's config.
+"""A run's orbax checkpoints: the train state, the data position and what defines the run.
 
-A checkpoint is written atomically (orbax renames a finished temporary directory), so a
-process killed mid-save leaves the previous checkpoint as the latest. Each one records
-a SHA-256 digest of its arrays, its update and its data position; restoring recomputes
-it from what was read. Resuming checks that the checkpoint's config is the one being run.
-
-Only a checkpoint whose contents fail an integrity check (`damage`: a missing or empty
-file, bytes that do not decode, a digest that disagrees, a data position that is not its
-update's) is moved aside, to ``<directory>-damaged/``, with a warning, and the newest
-intact one is used. Any other error while reading one (an ``OSError`` such as ``EIO``
-from a network filesystem, a host ``MemoryError``, a ``TypeError`` from another orbax)
-may pass: it propagates with its traceback and the checkpoint stays where it is. A
-directory whose checkpoints were all moved aside is not resumed from nothing: `restore`
-refuses, saying where they went.
+Each checkpoint records a SHA-256 of its arrays, update and data position. Only one whose
+contents fail an integrity check is moved aside (to ``<directory>-damaged/``, with a
+warning); any other error while reading one propagates and leaves it in place.
 """
 
 from __future__ import annotations
@@ -36,20 +26,27 @@ from jax_adaptive.step import TrainState
 
 __all__ = ["Checkpoints", "damage", "state_digest"]
 
+# tensorstore's status for bytes it could not decode, a range or key not in a file, and a
+# stream that does not decompress: what a flipped, truncated or deleted file of an orbax
+# checkpoint gave (each measured). UNAVAILABLE, UNKNOWN, ... may pass.
+_DAMAGE_STATUSES = ("DATA_LOSS:", "OUT_OF_RANGE:", "NOT_FOUND:", "FAILED_PRECONDITION:")
+
+
+class _Damaged(Exception):
+    """A checkpoint that cannot be trusted; the message says why."""
+
 
 def _to_saved(state: TrainState) -> dict[str, Any]:
-    leaves = state._replace(rng=jax.random.key_data(state.rng))
-    return {"state": jax.tree.map(np.asarray, leaves)}
+    return {"state": jax.tree.map(np.asarray, state._replace(rng=jax.random.key_data(state.rng)))}
 
 
 def state_digest(tree: Any, update: int, position: int) -> str:
     """The SHA-256 of a saved state's arrays (dtype, shape, bytes), its update and position.
 
     Examples:
-        >>> a = state_digest({"w": np.ones(2, np.float32)}, update=1, position=8)
-        >>> a == state_digest({"w": np.ones(2, np.float32)}, 1, 8), a == state_digest(
-        ...     {"w": np.ones(2, np.float32)}, 1, 16)
-        (True, False)
+        >>> tree = {"w": np.ones(2, np.float32)}
+        >>> state_digest(tree, 1, 8) == state_digest(tree, 1, 8) != state_digest(tree, 1, 16)
+        True
     """
     digest = hashlib.sha256(f"update={int(update)} position={int(position)}".encode())
     for leaf in jax.tree.leaves(tree):
@@ -59,36 +56,11 @@ def state_digest(tree: Any, update: int, position: int) -> str:
     return digest.hexdigest()
 
 
-def _differs(key: str, there: Any, now: Any) -> str:
-    """A field on which a checkpoint's run and this one differ, as the user sets it.
-
-    Examples:
-        >>> _differs("learning_rate", 0.003, 0.1)
-        '--learning-rate 0.003 there, 0.1 now'
-    """
-    if key == "ghost_batch_size":  # no flag of its own
-        return (f"BatchNorm's ghost batch size {there} there, {now} now (it follows "
-                "--target-batch-size, --batch-schedule and --micro-batch-size)")  # fmt: skip
-    return f"--{key.replace('_', '-')} {there} there, {now} now"
-
-
-class _Damaged(Exception):
-    """A checkpoint that cannot be trusted; the message says why."""
-
-
-# tensorstore's status for bytes it could not decode, a range or key not in a file, and
-# a compressed stream that does not decompress: what a flipped, truncated or deleted file
-# of an orbax checkpoint gave (each measured). UNAVAILABLE, UNKNOWN, ... may pass.
-_DAMAGE_STATUSES = ("DATA_LOSS:", "OUT_OF_RANGE:", "NOT_FOUND:", "FAILED_PRECONDITION:")
-
-
 def damage(exc: BaseException) -> str | None:
-    """What ``exc``, raised while reading a checkpoint, says is wrong with its contents.
+    """What ``exc``, raised reading a checkpoint, says is wrong with its contents, else None.
 
-    None for every error that is not about the contents: an ``OSError`` other than a
-    missing file (``EIO`` from a network filesystem), a ``MemoryError``, a
-    ``TypeError``, tensorstore's ``UNAVAILABLE``; such an error may pass, so the
-    checkpoint must stay where it is.
+    None for an error that may pass (an ``OSError`` such as ``EIO``, a ``MemoryError``, a
+    ``TypeError``, tensorstore's ``UNAVAILABLE``): the checkpoint must then stay.
 
     Examples:
         >>> damage(ValueError("DATA_LOSS: Error decoding manifest: CRC-32C checksum"))
@@ -105,38 +77,33 @@ def damage(exc: BaseException) -> str | None:
     return None
 
 
-def _missing_or_empty(step: Path) -> str | None:
-    """What is missing or empty in a checkpoint's directory (None: nothing).
+def _differs(key: str, there: Any, now: Any) -> str:
+    """A field on which a checkpoint's run and this one differ, as the user sets it.
 
-    Both items (``meta``, ``state``) must hold files, and no file may be empty (orbax
-    writes none).
+    Examples:
+        >>> _differs("learning_rate", 0.003, 0.1)
+        '--learning-rate 0.003 there, 0.1 now'
     """
-    for item in ("meta", "state"):
-        if not (step / item).is_dir() or not any((step / item).iterdir()):
-            return f"its {item} is missing or empty"
-    for path in sorted(step.rglob("*")):
-        if path.is_file() and path.stat().st_size == 0:
-            return f"{path.relative_to(step)} is empty"
-    return None
+    if key == "ghost_batch_size":  # no flag of its own
+        return (f"BatchNorm's ghost batch size {there} there, {now} now (it follows "
+                "--target-batch-size, --batch-schedule and --micro-batch-size)")  # fmt: skip
+    return f"--{key.replace('_', '-')} {there} there, {now} now"
 
 
 class Checkpoints:
-    """The checkpoints of one run in ``directory``; keeps the last ``max_to_keep``.
+    """The checkpoints of one run in ``directory``, the last ``max_to_keep`` kept.
 
     Args:
-        directory: where the checkpoints go (created when missing).
-        run: what the run's result depends on (model, data, seeds, ...); a checkpoint
-            written under another ``run`` is refused on restore.
-        max_to_keep: how many checkpoints to keep.
-        examples_per_update: when given, a checkpoint's data position must be its
-            update times this, or, a callable (a batch-size schedule's
-            ``examples_before``), what it gives for the update (a stream that read past
-            its updates is not resumed).
+        directory: where they go (created when missing).
+        run: what defines the training; a checkpoint of another is refused.
+        max_to_keep: how many to keep.
+        examples_per_update: a checkpoint's data position must be its update times this,
+            or what this callable gives for it (a schedule's ``examples_before``).
 
     Examples:
-        >>> import tempfile, jax, jax.numpy as jnp, optax
+        >>> import tempfile, optax
         >>> from jax_adaptive.step import multi_steps
-        >>> params = {"w": jnp.ones(2)}
+        >>> params = {"w": jax.numpy.ones(2)}
         >>> state = TrainState(params, multi_steps(optax.sgd(1.0), 1).init(params), (),
         ...                    jax.random.key(0))
         >>> with tempfile.TemporaryDirectory() as tmp:
@@ -156,8 +123,8 @@ class Checkpoints:
         max_to_keep: int = 2,
         examples_per_update: int | Callable[[int], int] | None = None,
     ):
-        self.run = dict(run)
-        self.directory = Path(directory).resolve()
+        self.run, self.directory = dict(run), Path(directory).resolve()
+        self.aside_directory = self.directory.with_name(self.directory.name + "-damaged")
         self.examples_per_update = examples_per_update
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -168,37 +135,29 @@ class Checkpoints:
         """The update of the latest finished checkpoint, or None."""
         return self._manager.latest_step()
 
+    def aside(self) -> list[Path]:
+        """The checkpoints moved aside as damaged, by name (update, then when)."""
+        return sorted(self.aside_directory.iterdir()) if self.aside_directory.is_dir() else []
+
     def save(self, update: int, state: TrainState, position: int) -> None:
         """Saves the state after ``update`` updates and the data stream's ``position``."""
         saved = _to_saved(state)
-        meta = {
-            "run": self.run,
-            "position": int(position),
-            "update": int(update),
-            "sha256": state_digest(saved, update, position),
-        }
-        self._manager.save(
-            update,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(saved), meta=ocp.args.JsonSave(meta)
-            ),
-        )
+        meta = {"run": self.run, "position": int(position), "update": int(update),
+                "sha256": state_digest(saved, update, position)}  # fmt: skip
+        args = ocp.args.Composite(state=ocp.args.StandardSave(saved), meta=ocp.args.JsonSave(meta))
+        self._manager.save(update, args=args)
 
     def restore(self, like: TrainState) -> tuple[TrainState, int] | None:
-        """The newest intact state (shaped and placed like ``like``) and data position.
+        """The newest intact state (placed like ``like``) and its data position.
 
-        A checkpoint that fails an integrity check (`damage`) is moved aside with a
-        warning and the next older one tried; any other error propagates, every
-        checkpoint left in place.
+        A damaged checkpoint is moved aside with a warning and the one before tried.
 
         Returns:
-            ``(state, position)``, or None when there is no checkpoint and none was
-            ever moved aside.
+            ``(state, position)``, or None when there is no checkpoint and none aside.
 
         Raises:
-            ValueError: when the checkpoint was written by a run of another config or
-                holds a state of another structure, or when checkpoints were moved aside
-                and none intact is left.
+            ValueError: a checkpoint of another training or state structure, or none
+                intact left after some were moved aside.
         """
         self._manager.wait_until_finished()
         for update in sorted(self._manager.all_steps(), reverse=True):
@@ -215,7 +174,7 @@ class Checkpoints:
         return None
 
     def check_resumable(self) -> None:
-        """Refuses (one-line `ValueError`) when every checkpoint was moved aside as damaged.
+        """Refuses in one line what `restore` would: none intact, or another training.
 
         Examples:
             >>> import tempfile
@@ -226,19 +185,19 @@ class Checkpoints:
             Traceback (most recent call last):
             ValueError: no intact checkpoint in ...: the damaged ones are in ...
         """
-        if self.latest() is None and self.aside():
+        latest = self.latest()
+        if latest is None and self.aside():
             raise ValueError(
                 f"no intact checkpoint in {self.directory}: the damaged ones are in "
                 f"{self.aside_directory} ({', '.join(p.name for p in self.aside())}); move "
                 "one back if it is intact, or start afresh in a new --workdir."
             )
-        latest = self.latest()
         if latest is not None:
             with contextlib.suppress(_Damaged):  # `restore` moves it aside
                 self._check_run(self._read(latest, "meta", ocp.args.JsonRestore()))
 
     def _check_run(self, meta: Any) -> int:
-        """A checkpoint's data position, once its run is this one (a one-line refusal)."""
+        """A checkpoint's data position, once its run is this one's."""
         try:  # our own record: a structure other than ours is damage
             run, position = dict(meta["run"]), int(meta["position"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -253,17 +212,6 @@ class Checkpoints:
             )
         return position
 
-    @property
-    def aside_directory(self) -> Path:
-        """Where damaged checkpoints are moved: ``<directory>-damaged``."""
-        return self.directory.with_name(self.directory.name + "-damaged")
-
-    def aside(self) -> list[Path]:
-        """The checkpoints moved aside as damaged, by name (update, then when)."""
-        if not self.aside_directory.is_dir():
-            return []
-        return sorted(self.aside_directory.iterdir())
-
     def _read(self, update: int, item: str, args: Any) -> Any:
         """A checkpoint's item (arrays on the host); an error `damage` names is `_Damaged`."""
         try:
@@ -276,18 +224,21 @@ class Checkpoints:
             raise _Damaged(f"its {item} cannot be read: {reason}") from exc
 
     def _restore(self, update: int, like: TrainState) -> tuple[TrainState, int]:
-        reason = _missing_or_empty(self.directory / str(update))
-        if reason is not None:
-            raise _Damaged(reason)
+        step = self.directory / str(update)
+        for item in ("meta", "state"):  # orbax writes no empty file, nor an empty item
+            if not (step / item).is_dir() or not any((step / item).iterdir()):
+                raise _Damaged(f"its {item} is missing or empty")
+        empty = [p for p in sorted(step.rglob("*")) if p.is_file() and not p.stat().st_size]
+        if empty:
+            raise _Damaged(f"{empty[0].relative_to(step)} is empty")
         meta = self._read(update, "meta", ocp.args.JsonRestore())
-        position = self._check_run(meta)
-        target = _to_saved(like)
+        position, target = self._check_run(meta), _to_saved(like)
         try:
             restored = self._read(update, "state", ocp.args.StandardRestore(target))["state"]
         except ValueError as exc:
             if not str(exc).startswith("pytree structure error"):
                 raise
-            if not (self.directory / str(update) / "state" / "_METADATA").is_file():
+            if not (step / "state" / "_METADATA").is_file():
                 raise _Damaged("its state/_METADATA is missing") from exc
             raise ValueError(
                 f"checkpoint {update} in {self.directory} holds a state of another structure "
@@ -298,18 +249,12 @@ class Checkpoints:
         if "sha256" in meta and state_digest({"state": saved}, update, position) != meta["sha256"]:
             raise _Damaged("its arrays, update or position differ from what was saved")
         per_update = self.examples_per_update
-        if callable(per_update) and position != per_update(update):
-            raise _Damaged(
-                f"its data position {position} is not the {per_update(update)} examples of "
-                f"{update} scheduled updates"
-            )
-        if isinstance(per_update, int) and position != update * per_update:
-            raise _Damaged(
-                f"its data position {position} is not {update} updates x {per_update} examples"
-            )
+        expected = per_update(update) if callable(per_update) else update * (per_update or 0)
+        if per_update is not None and position != expected:
+            raise _Damaged(f"its data position {position} is not {expected}, the examples of "
+                           f"its {update} updates")  # fmt: skip
         state = saved._replace(rng=jax.random.wrap_key_data(saved.rng))
-        where = jax.tree.map(lambda x: x.sharding, like)  # a device, or shardings over a mesh
-        return place(state, where), position
+        return place(state, jax.tree.map(lambda x: x.sharding, like)), position
 
     def _move_aside(self, update: int) -> Path:
         """Moves a damaged step out of orbax's directory (a later save may reuse its number)."""

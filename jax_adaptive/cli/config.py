@@ -1,10 +1,7 @@
 """What a command-line run trains: `TrainConfig` (one field per flag) and its checks.
 
 `check_config` refuses, in one line naming the flag, a config no path can run, before
-anything is built; `load_factory` imports ``--model package.module:factory`` and
-`make_optimizer` builds ``--optimizer``. The flags are parsed in
-`jax_adaptive.cli.main`; the run itself is `jax_adaptive.cli.images` (image models) or
-`jax_adaptive.cli.language_model` (``--model gpt``).
+anything is built; `load_factory` imports ``--model package.module:factory``.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ _MAX_T = checks.MAX_TARGET_BATCH_SIZE  # the largest target batch the micro-step
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """What a run trains; every field is a command-line flag.
+    """What a run trains; every field is a command-line flag (``--help`` says each).
 
     Examples:
         >>> TrainConfig(model="mlp", updates=3).target_batch_size
@@ -89,21 +86,17 @@ class TrainConfig:
         return parse_batch_schedule(self.batch_schedule)
 
     def target_sizes(self) -> list[int]:
-        """Every target batch size the run may use (one without a schedule).
+        """Every target batch size the run may use.
 
         Examples:
             >>> TrainConfig(batch_schedule="0:64,20:256").target_sizes()
             [64, 256]
         """
-        schedule = self.schedule()
-        if schedule.steps is None:
-            return [self.target_batch_size]
-        return [size for _, size in schedule.steps]
+        steps = self.schedule().steps
+        return [self.target_batch_size] if steps is None else [size for _, size in steps]
 
     def plan_cache_arg(self) -> str | bool | None:
-        """The trainer's ``plan_cache``: by default the workdir's ``plans.json``, if any.
-
-        Paths are resolved (``sub/..`` is not a directory to create).
+        """The trainer's ``plan_cache`` (resolved): by default the workdir's ``plans.json``.
 
         Examples:
             >>> TrainConfig(workdir="/tmp/run/sub/..").plan_cache_arg()
@@ -114,17 +107,6 @@ class TrainConfig:
         if isinstance(self.plan_cache, str):
             return str(Path(self.plan_cache).resolve())
         return self.plan_cache
-
-
-def _directory_flag(flag: str, path: str | None) -> None:
-    if path is None:
-        return
-    if any(c in path for c in "*?[]"):
-        raise ValueError(
-            f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."
-        )
-    if Path(path).exists() and not Path(path).is_dir():
-        raise ValueError(f"{flag} {path!r} is a file; it must name a directory.")
 
 
 def check_config(config: TrainConfig) -> None:
@@ -138,6 +120,7 @@ def check_config(config: TrainConfig) -> None:
         Traceback (most recent call last):
         ValueError: --learning-rate nan must be a finite number above 0.
     """
+    gpt, check = config.model == "gpt", checks.flag_int
     if ":" in str(config.model):
         load_factory(config.model)
     elif config.model not in MODEL_NAMES:
@@ -145,7 +128,7 @@ def check_config(config: TrainConfig) -> None:
             f"--model {config.model!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor "
             "package.module:factory."
         )
-    if config.target_tokens is not None and config.model != "gpt":
+    if config.target_tokens is not None and not gpt:
         raise ValueError(
             "--target-tokens is for --model gpt; image models take --target-batch-size."
         )
@@ -155,9 +138,13 @@ def check_config(config: TrainConfig) -> None:
         )
     if config.resume and config.workdir is None:
         raise ValueError("--resume needs --workdir (the directory of the run to resume).")
-    check = checks.flag_int
     check("--target-batch-size", config.target_batch_size, high=_MAX_T, high_name="2**31 - 1")
-    _check_schedule(config)
+    if config.batch_schedule is not None:
+        if gpt:
+            raise ValueError(
+                "--batch-schedule is for image models; --model gpt takes --target-tokens."
+            )
+        config.schedule()  # raises naming the flag
     if config.micro_batch_size != "auto":
         largest = max(config.target_sizes())
         bound = "the largest size of --batch-schedule" if config.batch_schedule else (
@@ -182,29 +169,43 @@ def check_config(config: TrainConfig) -> None:
     if config.target_tokens is not None:
         check("--target-tokens", config.target_tokens, high=_MAX_T, high_name="2**31 - 1")
     check("--max-length", config.max_length)
-    _directory_flag("--workdir", config.workdir)
-    _directory_flag("--compilation-cache", config.compilation_cache)
+    for flag, path in (
+        ("--workdir", config.workdir),
+        ("--compilation-cache", config.compilation_cache),
+    ):
+        if path is not None and any(c in path for c in "*?[]"):
+            raise ValueError(
+                f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."
+            )
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path!r} is a file; it must name a directory.")
+    if gpt:
+        _check_gpt(config)
 
 
-def _check_schedule(config: TrainConfig) -> None:
-    """``--batch-schedule``: parsed (one-line errors naming it), for image models only."""
-    if config.batch_schedule is None:
-        return
-    if config.model == "gpt":
-        raise ValueError("--batch-schedule is for image models; --model gpt takes --target-tokens.")
-    config.schedule()  # raises naming the flag
+def _check_gpt(config: TrainConfig) -> None:
+    """What ``--model gpt`` cannot take."""
+    if config.dataset != "synthetic":
+        raise ValueError("--model gpt trains on synthetic sequences: use --dataset synthetic.")
+    if config.micro_batch_size != "auto":
+        raise ValueError("--model gpt plans each bucket itself: use --micro-batch-size auto.")
+    if config.epochs is not None:
+        raise ValueError("--model gpt reads an endless stream: use --updates, not --epochs.")
+    if config.max_length < 16:
+        raise ValueError(f"--max-length {config.max_length} must be at least 16.")
+    if config.target_tokens is not None and config.target_tokens < config.max_length:
+        raise ValueError(
+            f"--target-tokens {config.target_tokens} must be at least --max-length "
+            f"{config.max_length}: an update holds at least one sequence of each bucket."
+        )
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
     """The factory ``--model package.module:factory`` names, imported (one-line errors).
 
-    The factory is called with the dataset's number of classes and returns ``(model,
-    loss)``: a Flax linen module mapping images ``[m, H, W, C]`` to logits ``[m,
-    classes]``, and ``loss(logits, labels) -> [m]``, one loss per example (no mean).
-
     Raises:
-        ValueError: naming ``--model``, when the module cannot be imported or holds no
-            such callable.
+        ValueError: naming ``--model``, when the module cannot be imported (its error as
+            ``__cause__``) or holds no such callable.
 
     Examples:
         >>> load_factory("jax_adaptive.models:CNN").__name__
@@ -222,7 +223,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(
             f"--model {spec!r}: cannot import {module_name} ({type(exc).__name__}: {first})."
-        ) from exc  # the user's traceback stays, as __cause__
+        ) from exc
     factory: Any = module
     for part in name.split("."):
         factory = getattr(factory, part, None)

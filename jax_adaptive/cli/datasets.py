@@ -1,11 +1,8 @@
-"""Datasets for the command line: random-access sources and a resumable shuffled stream.
+"""The command line's data: random-access sources and a resumable shuffled stream.
 
-A source is anything with ``len`` and integer indexing that returns one example as a dict
-of arrays: the synthetic images, or a prepared TFDS dataset read through
-``tfds.data_source`` (array_record, no TensorFlow; the package's ``tfds`` extra installs
-it). `ShuffledBatches` draws target batches from a source in a seeded per-epoch order,
-and can start at any example index, so a resumed run reads exactly the examples an
-uninterrupted one would.
+A source has ``len`` and integer indexing giving one example, a dict of arrays: the
+synthetic images, or a prepared TFDS dataset read through ``tfds.data_source``
+(array_record, no TensorFlow; the ``tfds`` extra installs it).
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from jax_adaptive.cli.extras import import_extra
 from jax_adaptive.data import synthetic_images
 
 __all__ = [
-    "HELD_OUT_EXAMPLES", "ShuffledBatches", "Source", "SyntheticSource", "all_examples",
-    "load_held_out", "load_source",
+    "HELD_OUT_EXAMPLES", "ShuffledBatches", "Source", "SyntheticSource", "load_held_out",
+    "load_source",
 ]  # fmt: skip
 
 HELD_OUT_EXAMPLES = 1024
@@ -38,7 +35,7 @@ class Source(Protocol):
 
 
 class SyntheticSource:
-    """The synthetic images of `jax_adaptive.data.synthetic_images` as a random-access source.
+    """The images of `jax_adaptive.data.synthetic_images` as a source.
 
     Examples:
         >>> source = SyntheticSource(100)
@@ -82,9 +79,8 @@ def load_source(
     """Opens ``"synthetic"`` or ``"tfds:NAME"`` (an image dataset with image and label).
 
     Raises:
-        ValueError: for an unknown dataset name, a TFDS one without tensorflow-datasets
-            installed, or TFDS data that is not prepared (or prepared as TFRecord, which
-            random access cannot read), saying how to fix it.
+        ValueError: an unknown name, tensorflow-datasets missing, or TFDS data not
+            prepared as array_record, saying how to fix it.
 
     Examples:
         >>> len(load_source("synthetic"))
@@ -109,40 +105,29 @@ def load_source(
     return _Images(source)
 
 
-def load_held_out(dataset: str, *, data_dir: str | None = None, seed: int = 0) -> Source:
-    """The held-out examples of ``dataset``: a ``tfds:NAME``'s test split, or new synthetic ones.
+def load_held_out(
+    dataset: str, *, data_dir: str | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Every held-out example as one batch: ``tfds:NAME``'s test split, or new synthetic ones.
 
-    The synthetic held-out set draws `HELD_OUT_EXAMPLES` examples from a seed no training
-    seed takes (``2**63 + seed``), with the training set's class patterns: the same task
-    on examples training never sees.
-
-    Raises:
-        ValueError: as `load_source`, when the test split cannot be read.
+    The synthetic ones (`HELD_OUT_EXAMPLES`) come from a seed no training seed takes
+    (``2**63 + seed``), with the training set's class patterns.
 
     Examples:
         >>> held_out, train = load_held_out("synthetic"), load_source("synthetic")
-        >>> len(held_out), bool((held_out[0]["image"] != train[0]["image"]).any())
-        (1024, True)
+        >>> held_out["image"].shape, bool((held_out["image"][0] != train[0]["image"]).any())
+        ((1024, 16, 16, 3), True)
     """
     if dataset == "synthetic":
-        return SyntheticSource(HELD_OUT_EXAMPLES, seed=2**63 + seed)
-    try:
-        return load_source(dataset, data_dir=data_dir, split="test")
-    except ValueError as exc:
-        raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from exc
-
-
-def all_examples(source: Source) -> dict[str, np.ndarray]:
-    """Every example of a source as one batch (a dict of arrays with a leading example axis).
-
-    Examples:
-        >>> all_examples(SyntheticSource(5))["image"].shape
-        (5, 16, 16, 3)
-    """
-    rows = [source[i] for i in range(len(source))]
-    if not rows:
+        source: Source = SyntheticSource(HELD_OUT_EXAMPLES, seed=2**63 + seed)
+    else:
+        try:
+            source = load_source(dataset, data_dir=data_dir, split="test")
+        except ValueError as exc:
+            raise ValueError(f"{exc} Or pass --eval-every 0: no held-out evaluation.") from exc
+    if not len(source):
         raise ValueError("the held-out split has no examples.")
-    return _stack(rows)
+    return _stack([source[i] for i in range(len(source))])
 
 
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -151,16 +136,10 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 class ShuffledBatches:
-    """Target batches from a source in a seeded order, resumable at an example index.
+    """Batches from a source in a seeded order per epoch, resumable at an example index.
 
-    Epoch ``e`` visits the examples in the permutation drawn from ``(seed, e)``; the
-    stream's position is the count of examples yielded, and ``start`` skips that many.
-
-    Args:
-        source: a `Source`.
-        batch_size: examples per batch.
-        seed: the shuffle seed.
-        start: the example index to start at (a resumed run's position).
+    Epoch ``e`` visits the examples in the permutation drawn from ``(seed, e)``;
+    ``position`` counts the examples drawn, and ``start`` skips that many.
 
     Examples:
         >>> batches = ShuffledBatches(SyntheticSource(10), 4, seed=1, start=8)
@@ -175,22 +154,17 @@ class ShuffledBatches:
         if batch_size <= 0 or start < 0:
             raise ValueError(f"{batch_size=} must be positive and {start=} non-negative.")
         self.source, self.batch_size, self.seed, self.position = source, batch_size, seed, start
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(
-                len(self.source)
-            )}  # fmt: skip
-        return self._orders[epoch]
+        self._order: tuple[int, np.ndarray] | None = None  # the current epoch's
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        n = len(self.source)
-        rows = []
+        n, rows = len(self.source), []
         for i in range(self.position, self.position + self.batch_size):
-            rows.append(self.source[int(self._order(i // n)[i % n])])
+            if self._order is None or self._order[0] != i // n:
+                order = np.random.default_rng([self.seed, i // n]).permutation(n)
+                self._order = (i // n, order)
+            rows.append(self.source[int(self._order[1][i % n])])
         self.position += self.batch_size
         return _stack(rows)

@@ -1,9 +1,7 @@
-"""The command line's optional dependencies, each installed by an extra of the package.
+"""The command line's optional dependencies: one line saying which extra installs one.
 
-``--dataset tfds:NAME`` needs ``tensorflow-datasets`` (``pip install
-'jax_adaptive[tfds]'``), ``python -m jax_adaptive.report`` needs matplotlib (``pip
-install 'jax_adaptive[report]'``); the library and the rest of the command line need
-neither. `import_extra` imports one, or says in one line what to install.
+``--dataset tfds:NAME`` needs the ``tfds`` extra (tensorflow-datasets) and
+``python -m jax_adaptive.report`` the ``report`` extra (matplotlib).
 """
 
 from __future__ import annotations
@@ -17,14 +15,7 @@ __all__ = ["import_extra"]
 def import_extra(module: str, extra: str, what: str) -> ModuleType:
     """``module`` imported, or a one-line `ValueError` saying which extra ``what`` needs.
 
-    Args:
-        module: the module to import (``"tensorflow_datasets"``).
-        extra: the package's extra that installs it (``"tfds"``).
-        what: what needs it, as the user asked for it (``"--dataset tfds:mnist"``).
-
-    Raises:
-        ValueError: when ``module`` is not installed. An error raised while importing
-            an installed one (a module it imports is missing) propagates as it is.
+    An error raised while importing an installed module propagates as it is.
 
     Examples:
         >>> import_extra("json", "none", "the example").__name__

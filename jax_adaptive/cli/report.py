@@ -1,10 +1,9 @@
 """``python -m jax_adaptive.report WORKDIR``: plots of a run from its workdir.
 
-Writes ``search_trace.png`` (for each plan in ``plan.json``, one panel per bucket of a
-``--model gpt`` run: each size tried, its estimated bytes against the micro-batch size,
-fits or out of memory, the limit as a line) and ``loss.png`` (the loss of each update,
-from ``metrics.jsonl``, one series per bucket, and the held-out loss where evaluated).
-Needs matplotlib: ``pip install 'jax_adaptive[report]'`` (one line says so when missing).
+``search_trace.png``: for each plan in ``plan.json`` (a panel per bucket of ``--model
+gpt``), each size tried, its estimated bytes, fits or out of memory, and the limit.
+``loss.png``: each update's loss (a series per bucket) and the held-out loss. Needs the
+``report`` extra (matplotlib).
 """
 
 from __future__ import annotations
@@ -20,6 +19,10 @@ from jax_adaptive.cli.extras import import_extra
 __all__ = ["main", "write_report"]
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _plans(workdir: Path) -> list[dict[str, Any]]:
     plan = json.loads((workdir / "plan.json").read_text())  # malformed: a ValueError
     if not isinstance(plan, dict):
@@ -33,8 +36,17 @@ def _plans(workdir: Path) -> list[dict[str, Any]]:
     )
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def _metrics(workdir: Path) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl`` with a numeric update and loss."""
+    path, metrics = workdir / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:  # a killed run may leave half a line
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and _number(m.get("update")) and _number(m.get("loss")):
+            metrics.append(m)
+    return metrics
 
 
 def _search_panel(ax: Any, plan: dict[str, Any]) -> None:
@@ -80,8 +92,7 @@ def write_report(workdir: str | Path) -> list[Path]:
     """Writes the run's PNGs into ``workdir``; returns their paths.
 
     Raises:
-        ValueError: when ``workdir`` holds no ``plan.json`` (not a run's workdir), or
-            matplotlib is not installed.
+        ValueError: ``workdir`` holds no ``plan.json``, or matplotlib is missing.
 
     Examples:
         >>> import io, tempfile
@@ -95,40 +106,29 @@ def write_report(workdir: str | Path) -> list[Path]:
     workdir = Path(workdir)
     if not (workdir / "plan.json").exists():
         raise ValueError(f"{workdir} has no plan.json; pass the --workdir of a training run.")
-    matplotlib = import_extra("matplotlib", "report", "the report")
-    matplotlib.use("Agg")
+    import_extra("matplotlib", "report", "the report").use("Agg")
     import matplotlib.pyplot as plt
 
     plans = _plans(workdir)
     columns = min(len(plans), 3) or 1
     rows = -(-len(plans) // columns) or 1
-    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
-    for ax, plan in zip(axes.flat, plans, strict=False):
-        _search_panel(ax, plan)
-    for ax in axes.flat[len(plans) :]:
-        ax.set_axis_off()
+    search, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i < len(plans):
+            _search_panel(ax, plans[i])
+        else:
+            ax.set_axis_off()
+    loss, ax = plt.subplots(figsize=(6, 4))
+    _loss_panel(ax, _metrics(workdir))
     paths = [workdir / "search_trace.png", workdir / "loss.png"]
-    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    lines = (workdir / "metrics.jsonl").read_text().splitlines() if (
-        workdir / "metrics.jsonl").exists() else []  # fmt: skip
-    metrics = []
-    for line in lines:
-        try:  # a killed run may leave half a line
-            m = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(m, dict) and _number(m.get("update")) and _number(m.get("loss")):
-            metrics.append(m)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    _loss_panel(ax, metrics)
-    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    for figure, path in zip((search, loss), paths, strict=True):
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(figure)
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status.
+    """Runs the command line; returns the exit status (2 with a one-line error).
 
     Examples:
         >>> main(["--help"])

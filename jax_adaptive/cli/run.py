@@ -1,22 +1,17 @@
-"""The host side of a command-line run: what it adds to the one loop, and its summary.
+"""What a command-line run does around `jax_adaptive.loop.fit_loop`, and its summary.
 
-Both paths (image models, ``--model gpt``) train through `jax_adaptive.loop.fit_loop`,
-as ``fit`` does: the next batches read ahead in a background thread, an optimizer step
-that ran out of memory retried on the same batch, any other error a
-`jax_adaptive.FitError` that holds the last good state. `RunHooks` is what the command
-line does after each update, as that loop's hooks: held-out evaluation, a line in
-``metrics.jsonl``, ``plan.json`` rewritten, a checkpoint every ``--checkpoint-every``
-updates with the data position of the batches trained on, a printed line, and a line
-whenever the plan changes. A run stopped by an error or Ctrl-C checkpoints its last
-good state first, so nothing it trained is lost. `run_path` runs a path in its workdir
-and prints its summary.
+Both paths train through the one loop (batches read ahead in a thread, an optimizer step
+that ran out of memory retried, any other error a `jax_adaptive.FitError` holding the
+last good state); `RunHooks` adds the command line's side of each update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Callable, Hashable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 import jax
@@ -26,23 +21,39 @@ from jax_adaptive.cli.config import TrainConfig
 from jax_adaptive.cli.workdir import Workdir
 from jax_adaptive.errors import FitError
 from jax_adaptive.loop import fit_loop
-from jax_adaptive.read_ahead import Unread
 from jax_adaptive.step import TrainState
 
-__all__ = ["READ_AHEAD", "RunHooks", "plan_note", "run_path", "speed_text"]
+__all__ = ["READ_AHEAD", "RunHooks", "plan_note", "plural", "run_path", "speed_text"]
 
 READ_AHEAD = 2
 """Batches read ahead in a background thread while an update runs."""
 
-PlanKey = tuple[int, int, int]  # micro-batch size, accumulation steps, target batch
+Step = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
 
-def plan_note(before: PlanKey | None, line: dict[str, Any], compiled: int) -> str | None:
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, an ``s`` added unless it is 1.
+
+    Examples:
+        >>> plural(1, "size"), plural(4, "update")
+        ('1 size', '4 updates')
+    """
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _plan(line: Mapping[str, Any]) -> tuple[int, int, int]:
+    """An update's (or a plan entry's) micro-batch, accumulation steps and target batch."""
+    examples = line["examples"] if "examples" in line else line["examples_per_update"]
+    return line["micro_batch_size"], line["accumulation_steps"], examples
+
+
+def plan_note(
+    before: tuple[int, int, int] | None, line: dict[str, Any], compiled: int
+) -> str | None:
     """The line that says an update changed the plan, or None when it did not.
 
     Args:
-        before: the plan before the update (micro-batch, accumulation steps, target
-            batch), None when it had none (a bucket's first update: its own line says it).
+        before: the plan before it (micro-batch, steps, target batch); None: none yet.
         line: the update's metrics line.
         compiled: the sizes the update compiled.
 
@@ -54,71 +65,51 @@ def plan_note(before: PlanKey | None, line: dict[str, Any], compiled: int) -> st
         >>> plan_note((24, 11, 256), line, compiled=0) is None
         True
     """  # noqa: E501
-    now = (line["micro_batch_size"], line["accumulation_steps"], line["examples"])
+    now = _plan(line)
     if before is None or now == before:
         return None
     if now[2] != before[2]:
         why = "the batch schedule"
-    elif now[0] < before[0]:
-        why = "a smaller micro-batch after running out of memory"
-    elif now[0] > before[0]:
-        why = "a larger micro-batch fits"
+    elif now[0] != before[0]:
+        why = "a larger micro-batch fits" if now[0] > before[0] else (
+            "a smaller micro-batch after running out of memory")  # fmt: skip
     else:
         why = "re-planned"
     bucket = f" of bucket {line['bucket']}" if "bucket" in line else ""
     return (
         f"plan{bucket} changed at update {line['update']}: micro-batch {now[0]} x {now[1]} = "
         f"target batch {now[2]} (was {before[0]} x {before[1]} = {before[2]}: {why}; "
-        f"{compiled} size{'s' * (compiled != 1)} compiled)"
+        f"{plural(compiled, 'size')} compiled)"
     )
 
 
-def _due(update: int, every: int, last: int) -> bool:
-    """Whether held-out evaluation runs after ``update`` (every ``every``, and the last)."""
-    return every > 0 and (update % every == 0 or update == last)
-
-
-def _dropped(unread: Unread) -> None:
-    """The batches read ahead and not trained on: a resumed run draws them again.
-
-    A checkpoint holds the data position of the batches trained on, and the stream
-    starts again from there.
-    """
-
-
 class RunHooks:
-    """What a command-line run does around `jax_adaptive.loop.fit_loop`'s updates.
+    """The command line's side of each update: evaluation, lines, plans and checkpoints.
 
     Args:
-        config: ``eval_every``, ``checkpoint_every`` and ``progress`` are read.
-        done: the updates done before (a resumed run's).
-        updates: the last update.
+        config: ``eval_every``, ``checkpoint_every``, ``progress``, ``allow_nonfinite``.
+        done: the updates done before (a resumed run's); updates: the last one.
         describe: the printed line(s) of an update's metrics line.
-        plans: the arguments of `Workdir.write_plan`, asked before the first update and
-            after each (``plan.json`` is rewritten when they changed).
+        plans: `Workdir.write_plan`'s arguments, asked before the first update and after
+            each (their plans also say what the plan was before the first update).
+        compiles: the run's compiles so far (each line holds them).
+        unit: what an update's metrics count per second (``examples``, ``tokens``).
         workdir: where to log, write the plans and checkpoint, if anywhere.
-        position: the data stream's position after the batches trained on, saved with
-            each checkpoint (not the reader's, which is ahead).
         out: where the lines go (default stdout).
-        evaluate: held-out metrics of a state (``eval_*`` keys), added to the line of
-            every ``config.eval_every``-th update and of the last; None: none.
-        compiles: the run's compiles before its first update (each update's metrics
-            hold ``compiles``, the run's total after it).
-        plans_now: the plan of each bucket before the first update (None: the image
-            path's one plan), as (micro-batch, accumulation steps, target batch).
+        evaluate: held-out ``eval_*`` metrics of a state, on every ``eval_every``-th
+            update and the last; None: none.
 
     Attributes:
-        lines: the metrics line of each update run (``update`` first).
-        compiled: the sizes each of those updates compiled.
+        lines: the metrics line of each update run; compiled: the sizes each compiled.
 
     Examples:
         >>> import io
         >>> step = lambda s, b: (s + b, {"loss": 1.0 / (s + b), "micro_batch_size": 4,
         ...                              "accumulation_steps": 2, "examples": 8})
         >>> hooks = RunHooks(TrainConfig(progress=False), done=0, updates=2,
-        ...                  describe=lambda m: f"update {m['update']}", plans=dict,
-        ...                  out=io.StringIO())
-        >>> hooks.run(step, 0, iter([1, 1])), [m["loss"] for m in hooks.lines]
+        ...                  describe=lambda m: f"update {m['update']}",
+        ...                  plans=lambda: {"plans": []}, compiles=lambda: 0, out=io.StringIO())
+        >>> hooks.run(step, 0, [(1, 8), (1, 16)]), [m["loss"] for m in hooks.lines]
         (2, [1.0, 0.5])
     """
 
@@ -130,40 +121,35 @@ class RunHooks:
         updates: int,
         describe: Callable[[dict[str, Any]], str],
         plans: Callable[[], dict[str, Any]],
+        compiles: Callable[[], int],
+        unit: str = "examples",
         workdir: Workdir | None = None,
-        position: Callable[[], int] = lambda: 0,
         out: TextIO | None = None,
         evaluate: Callable[[TrainState], dict[str, Any]] | None = None,
-        compiles: int = 0,
-        plans_now: Mapping[Hashable, PlanKey] | None = None,
     ):
         self.config, self.done, self.updates = config, done, updates
-        self.describe, self.plans, self.workdir = describe, plans, workdir
-        self.position, self.out, self.evaluate = position, out or sys.stdout, evaluate
+        self.describe, self.plans, self.compiles, self.unit = describe, plans, compiles, unit
+        self.workdir, self.out, self.evaluate = workdir, out or sys.stdout, evaluate
         self.lines: list[dict[str, Any]] = []
         self.compiled: list[int] = []
-        self._compiles = compiles
-        self._plans: dict[Hashable, PlanKey] = dict(plans_now or {})
+        self._before = {p["bucket"]: _plan(p) for p in plans()["plans"]}
+        self._compiles = compiles()
+        self._read = 0  # the stream's position after the last batch trained on
         self._logged: tuple[int, int] | None = None  # the last update logged, its position
         self._saved = done  # the update of the latest checkpoint
 
-    def run(self, step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
-            state: TrainState, batches: Iterable[Any]) -> TrainState:  # fmt: skip
-        """Runs updates ``done + 1`` to ``updates`` of ``step`` on ``batches``.
+    def run(self, step: Step, state: TrainState, drawn: Iterable[tuple[Any, int]]) -> TrainState:
+        """Runs updates ``done + 1`` to ``updates``.
 
         Args:
             step: one update: the new state and its metrics (host values with at least
                 ``loss``, ``examples``, ``micro_batch_size`` and ``accumulation_steps``).
             state: the state after ``done`` updates.
-            batches: what each update takes, in order (read ahead in a thread).
-
-        Returns:
-            The final state.
+            drawn: each update's batch and the stream's position after it.
 
         Raises:
-            FitError: any error part-way, with the last good state, which is
-                checkpointed first when the workdir has checkpoints (as is the state
-                a KeyboardInterrupt carries).
+            FitError: any error part-way, with the last good state, checkpointed first
+                with a workdir (as is the state a KeyboardInterrupt carries).
         """
         if self.workdir is not None:
             self.workdir.start(self.done)  # the lines of updates about to be redone go
@@ -172,78 +158,68 @@ class RunHooks:
             return state
         try:
             state, _ = fit_loop(
-                self._finite(step), state, batches, self.updates - self.done,
-                progress=self.config.progress,
+                lambda state, drawn: self._step(step, state, *drawn), state, drawn,
+                self.updates - self.done, progress=self.config.progress,
                 after_update=self.after_update, on_update=self.on_update, start=self.done,
-                read_ahead=READ_AHEAD, unread=_dropped,
+                # A checkpoint's position is that of the batches trained on: those read
+                # ahead are drawn again by a resumed run.
+                read_ahead=READ_AHEAD, unread=lambda unread: None,
             )  # fmt: skip
-        except FitError as exc:
-            self._keep(exc.state)
-            raise
-        except KeyboardInterrupt as exc:
+        except (FitError, KeyboardInterrupt) as exc:
             self._keep(getattr(exc, "state", None))
             raise
         return state
 
-    def _finite(self, step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]):
-        """``step``, refusing an update whose loss is not finite (unless allowed).
+    def _step(
+        self, step: Step, state: TrainState, batch: Any, read: int
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One timed update; a non-finite loss stops the run (unless allowed), its state dropped."""
+        tick = time.perf_counter()
+        new, metrics = step(state, batch)  # host values: the update is done
+        seconds = time.perf_counter() - tick
+        if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
+            raise ValueError(
+                f"the loss of update {self.done + len(self.lines) + 1} is {metrics['loss']}; "
+                "check the model against the data, or lower --learning-rate "
+                "(--allow-nonfinite trains on)."
+            )
+        self._read = read
+        per_s = {f"{self.unit}_per_s": metrics[self.unit] / seconds}
+        return new, {**metrics, **per_s, "seconds": seconds, "compiles": self.compiles()}
 
-        The update's state is dropped: the run stops with the last finite one.
-        """
-
-        def finite(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-            new, metrics = step(state, batch)
-            if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
-                raise ValueError(
-                    f"the loss of update {self.done + len(self.lines) + 1} is {metrics['loss']}; "
-                    "check the model against the data, or lower --learning-rate "
-                    "(--allow-nonfinite trains on)."
-                )
-            return new, metrics
-
-        return finite
-
-    def after_update(
-        self, update: int, state: TrainState, metrics: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Evaluates when due, then logs, writes the plans and checkpoints when due.
+    def after_update(self, update: int, state: TrainState, metrics: dict[str, Any]) -> dict:
+        """Evaluates when due, then logs the line, writes the plans and checkpoints when due.
 
         The line is logged before its checkpoint: a run killed between them redoes the
         update, whose line `Workdir.start` drops.
         """
-        held_out = {}
-        if self.evaluate is not None and _due(update, self.config.eval_every, self.updates):
+        every, held_out = self.config.eval_every, {}
+        if self.evaluate and every and (update % every == 0 or update == self.updates):
             held_out = jax.device_get(self.evaluate(state))
         line = {"update": update, **metrics, **held_out}
         self.lines.append(line)
-        self.compiled.append(line.get("compiles", self._compiles) - self._compiles)
-        self._compiles = line.get("compiles", self._compiles)
+        self.compiled.append(line["compiles"] - self._compiles)
+        self._compiles = line["compiles"]
         if self.workdir is not None:
             self.workdir.log(line)
             self.workdir.write_plan(**self.plans())
-            self._logged = (update, self.position())
+            self._logged = (update, self._read)
             if update % self.config.checkpoint_every == 0 or update == self.updates:
-                self.workdir.save(update, state, self._logged[1])
+                self.workdir.save(update, state, self._read)
                 self._saved = update
         return held_out
 
     def on_update(self, update: int, metrics: dict[str, Any]) -> None:
         """Prints the update's line, after one that says the plan changed, if it did."""
         line = self.lines[-1]
-        key = line.get("bucket")
-        now = (line["micro_batch_size"], line["accumulation_steps"], line["examples"])
-        note = plan_note(self._plans.get(key), line, self.compiled[-1])
-        self._plans[key] = now
-        if note is not None:
-            tqdm.tqdm.write(note, file=self.out)
-        tqdm.tqdm.write(self.describe(line), file=self.out)
+        note = plan_note(self._before.get(line.get("bucket")), line, self.compiled[-1])
+        self._before[line.get("bucket")] = _plan(line)
+        for text in (note, self.describe(line)):
+            if text is not None:
+                tqdm.tqdm.write(text, file=self.out)
 
     def _keep(self, state: TrainState | None) -> None:
-        """Checkpoints the last good state of a stopped run, when its line was logged.
-
-        Its data position is the one logged with that line; a state whose update is not
-        the last logged one (its line missing) is not saved, nor is one already saved.
-        """
+        """Checkpoints a stopped run's last good state, if it is the last update logged."""
         if self.workdir is None or self._logged is None or state is None:
             return
         update, position = self._logged
@@ -260,33 +236,27 @@ class RunHooks:
             file=self.out,
         )
 
-    def timing(self, amount: str) -> dict[str, Any]:
-        """The run's time split: steady training, and the updates that compiled.
-
-        Steady: the updates after the run's first (which runs each program for the
-        first time) that compiled nothing.
-
-        Args:
-            amount: the line's key to count per second (``"examples"``, ``"tokens"``).
+    def timing(self) -> dict[str, Any]:
+        """The run's speed: steady (after the first update, none that compiled), and mean.
 
         Returns:
-            ``steady_per_s`` (None without such an update) and ``steady_updates``,
-            ``compiling_seconds`` and ``compiling_updates`` (the updates that compiled
-            and their seconds), and ``mean_per_s`` over every update.
+            ``steady_per_s`` (None without a steady update), ``steady_updates``,
+            ``compiling_seconds``, ``compiling_updates``, ``mean_per_s`` and ``speed``,
+            the summary's words for them.
         """
-        seconds = sum(line["seconds"] for line in self.lines)
+
+        def rate(lines: list[dict[str, Any]]) -> float | None:
+            seconds = sum(line["seconds"] for line in lines)
+            return sum(line[self.unit] for line in lines) / seconds if seconds else None
+
         steady = [line for i, line in enumerate(self.lines) if i and not self.compiled[i]]
-        compiling = [line for i, line in enumerate(self.lines) if self.compiled[i]]
-        steady_seconds = sum(line["seconds"] for line in steady)
-        return {
-            "steady_per_s": sum(line[amount] for line in steady) / steady_seconds
-            if steady_seconds
-            else None,
-            "steady_updates": len(steady),
+        compiling = [line for line, c in zip(self.lines, self.compiled, strict=True) if c]
+        timing = {
+            "steady_per_s": rate(steady), "steady_updates": len(steady),
             "compiling_seconds": sum(line["seconds"] for line in compiling),
-            "compiling_updates": len(compiling),
-            "mean_per_s": sum(line[amount] for line in self.lines) / seconds if seconds else 0.0,
-        }
+            "compiling_updates": len(compiling), "mean_per_s": rate(self.lines) or 0.0,
+        }  # fmt: skip
+        return {**timing, "speed": speed_text(timing, self.unit, len(self.lines))}
 
 
 def speed_text(timing: dict[str, Any], unit: str, updates: int) -> str:
@@ -297,13 +267,11 @@ def speed_text(timing: dict[str, Any], unit: str, updates: int) -> str:
         ...            "examples", 20)
         '3300 examples/s steady (18 updates that compiled nothing; 84 over all 20)'
     """
-    mean = f"{timing['mean_per_s']:.0f} {unit}/s (mean over {updates} updates)"
-    if timing["steady_per_s"] is None:
-        return mean
-    return (
-        f"{timing['steady_per_s']:.0f} {unit}/s steady ({timing['steady_updates']} updates "
-        f"that compiled nothing; {timing['mean_per_s']:.0f} over all {updates})"
-    )
+    mean, steady = timing["mean_per_s"], timing["steady_per_s"]
+    if steady is None:
+        return f"{mean:.0f} {unit}/s (mean over {plural(updates, 'update')})"
+    return (f"{steady:.0f} {unit}/s steady ({plural(timing['steady_updates'], 'update')} that "
+            f"compiled nothing; {mean:.0f} over all {updates})")  # fmt: skip
 
 
 def run_path(
@@ -315,18 +283,9 @@ def run_path(
     run: Mapping[str, Any] | None = None,
     examples_per_update: int | Callable[[int], int] | None = None,
 ) -> dict[str, Any]:
-    """Runs one path of the command line: its training in its workdir, then its summary.
+    """Runs one path, ``train(config, workdir or None, out)``, then prints its summary line.
 
-    Args:
-        config: the run, already checked.
-        train: ``(config, workdir or None, out) -> summary``.
-        summarize: the summary's one line.
-        out: where to print (standard output by default).
-        run: what a resumed checkpoint must match (see `Workdir`).
-        examples_per_update: what a checkpoint's data position must be (see `Workdir`).
-
-    Returns:
-        The summary.
+    ``run`` and ``examples_per_update`` are what a resumed checkpoint must match (`Workdir`).
 
     Examples:
         >>> import io
@@ -335,7 +294,9 @@ def run_path(
         {'losses': []}
     """
     out = out or sys.stdout
-    with Workdir.of(config, run, examples_per_update=examples_per_update) as workdir:
-        summary = train(config, workdir, out)
+    workdir = contextlib.nullcontext() if config.workdir is None else Workdir(
+        config.workdir, config, run, examples_per_update=examples_per_update)  # fmt: skip
+    with workdir as opened:
+        summary = train(config, opened, out)
     print(summarize(summary), file=out)
     return summary

@@ -1,10 +1,8 @@
-"""A run's directory: ``plan.json``, ``metrics.jsonl`` and the checkpoints.
+"""A run's directory: ``plan.json``, ``metrics.jsonl`` and its checkpoints.
 
-``plan.json`` has one shape for both paths of the command line: ``{"config": {...},
-"plans": [...], "search_seconds": s}``, a `plan_entry` per trainer: the image path's one
-with ``"bucket": null``, the GPT's one per bucket planned so far. ``metrics.jsonl`` holds
-one line per update, however often a resumed run redid it; the checkpoints are
-`jax_adaptive.cli.checkpoints.Checkpoints`.
+``plan.json`` is ``{"config", "plans", "search_seconds"}`` with a `plan_entry` per trainer
+(``"bucket": null`` on the image path, one per bucket planned for ``--model gpt``);
+``metrics.jsonl`` holds one line per update, however often a resumed run redid it.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ __all__ = ["Workdir", "plan_entry"]
 
 
 def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict[str, Any]:
-    """One trainer's plan as ``plan.json`` holds it (every `SizeTrial` field passes through).
+    """One trainer's plan as ``plan.json`` holds it, with every size it tried.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax
@@ -50,19 +48,17 @@ def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict
 
 
 class Workdir(contextlib.AbstractContextManager):
-    """A run's directory: ``plan.json``, ``metrics.jsonl`` and, for ``run``, checkpoints.
+    """A run's directory, created when missing.
 
     Args:
-        path: the directory (created when missing).
+        path: the directory (resolved: nothing is created outside it).
         config: the run's config, written into ``plan.json``.
-        run: what a checkpoint must agree on to be resumed; None: no checkpoints.
-        examples_per_update: what a checkpoint's data position must be after its
-            updates (`jax_adaptive.cli.checkpoints.Checkpoints`); None: the path checks the
-            position itself.
+        run: what defines the training (see `Checkpoints`); None: no checkpoints.
+        examples_per_update: what a checkpoint's data position must be (see `Checkpoints`).
 
     Raises:
-        ValueError: when the directory holds checkpoints and ``config.resume`` is off, or
-            when it resumes and every checkpoint was moved aside as damaged.
+        ValueError: the directory cannot be used, holds checkpoints without
+            ``config.resume``, or cannot be resumed (`Checkpoints.check_resumable`).
 
     Examples:
         >>> import tempfile
@@ -82,6 +78,8 @@ class Workdir(contextlib.AbstractContextManager):
         examples_per_update: int | Callable[[int], int] | None = None,
     ):
         self.path, self.config = Path(path).resolve(), config
+        self._metrics: TextIO | None = None
+        self._plan: Any = None
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
         try:
@@ -92,47 +90,22 @@ class Workdir(contextlib.AbstractContextManager):
                 f"--workdir {str(path)!r} cannot be used: {exc.strerror or exc}."
             ) from exc
         self.checkpoints = None
-        if run is not None:
-            self.checkpoints = Checkpoints(
-                self.path / "checkpoints", run, examples_per_update=examples_per_update
-            )
-        # Checkpoints moved aside as damaged count: a run that does not resume would
-        # start afresh over them.
-        held = self.checkpoints is not None and bool(
-            self.checkpoints.latest() is not None or self.checkpoints.aside()
+        if run is None:
+            return
+        self.checkpoints = Checkpoints(
+            self.path / "checkpoints", dict(run), examples_per_update=examples_per_update
         )
-        try:
-            if held and not config.resume:
-                raise ValueError(
-                    f"{self.path} already holds checkpoints; pass --resume to go on, or "
-                    "another --workdir."
-                )
-            if held:
+        try:  # checkpoints moved aside count: a run that does not resume starts over them
+            if self.checkpoints.latest() is not None or self.checkpoints.aside():
+                if not config.resume:
+                    raise ValueError(
+                        f"{self.path} already holds checkpoints; pass --resume to go on, or "
+                        "another --workdir."
+                    )
                 self.checkpoints.check_resumable()  # before anything is built
         except ValueError:
             self.checkpoints.close()
             raise
-        self._metrics: TextIO | None = None
-        self._plan: Any = None
-
-    @classmethod
-    def of(
-        cls,
-        config: TrainConfig,
-        run: Mapping[str, Any] | None = None,
-        *,
-        examples_per_update: int | Callable[[int], int] | None = None,
-    ) -> contextlib.AbstractContextManager[Workdir | None]:
-        """The config's workdir as a context (None without ``config.workdir``); args as above.
-
-        Examples:
-            >>> with Workdir.of(TrainConfig()) as work:
-            ...     print(work)
-            None
-        """
-        if config.workdir is None:
-            return contextlib.nullcontext()
-        return cls(config.workdir, config, run, examples_per_update=examples_per_update)
 
     def write_plan(self, plans: list[dict[str, Any]], *, search_seconds: float) -> None:
         """(Re)writes ``plan.json`` when the plans or the search time changed."""
@@ -143,25 +116,21 @@ class Workdir(contextlib.AbstractContextManager):
             self._plan = plan
 
     def start(self, done: int) -> None:
-        """Keeps only the lines of updates ``1..done`` in ``metrics.jsonl``.
-
-        A run that goes on after ``done`` updates (a resumed one) writes the later ones
-        again: one line per update, however often they were redone.
+        """Keeps only the lines of updates ``1..done``: a resumed run writes the rest again.
 
         Examples:
             >>> import tempfile
             >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
             ...     for update in (1, 2, 3):
             ...         work.log({"update": update})
-            ...     work.start(1)
+            ...     work.start(1)  # resumed after update 1
             ...     work.log({"update": 2})
             ...     (work.path / "metrics.jsonl").read_text().split()
             ['{"update":', '1}', '{"update":', '2}']
         """
         if self._metrics is not None:
             self._metrics.close()
-        path = self.path / "metrics.jsonl"
-        kept = []
+        path, kept = self.path / "metrics.jsonl", []
         for line in path.read_text().splitlines() if path.exists() else []:
             try:  # a killed run may leave half a line
                 if int(json.loads(line)["update"]) <= done:
@@ -181,31 +150,14 @@ class Workdir(contextlib.AbstractContextManager):
         self._metrics.flush()
 
     def resume(self, state: TrainState) -> tuple[TrainState, int, int]:
-        """Where the run goes on from: ``(state, data position, updates done)``.
+        """``(state, data position, updates done)``: the latest checkpoint's with ``--resume``.
 
-        The latest intact checkpoint's with ``--resume`` (placed like ``state``), else
-        ``state`` itself at position 0 after 0 updates.
-
-        Examples:
-            >>> import tempfile, jax, jax.numpy as jnp, optax
-            >>> from jax_adaptive.step import multi_steps
-            >>> params = {"w": jnp.ones(2)}
-            >>> opt = multi_steps(optax.sgd(1.0), 1).init(params)
-            >>> state = TrainState(params, opt._replace(gradient_step=jnp.int32(3)), (),
-            ...                    jax.random.key(0))  # after 3 updates
-            >>> with tempfile.TemporaryDirectory() as tmp:
-            ...     with Workdir(tmp, TrainConfig(), {"seed": 0}) as work:
-            ...         work.save(3, state, position=96)
-            ...     with Workdir(tmp, TrainConfig(resume=True), {"seed": 0}) as work:
-            ...         _, position, done = work.resume(state)
-            >>> position, done
-            (96, 3)
+        Else ``state`` itself, at position 0 after 0 updates.
         """
         if self.config.resume and self.checkpoints is not None:
             restored = self.checkpoints.restore(state)
             if restored is not None:
-                state, position = restored
-                return state, position, int(state.updates)
+                return restored[0], restored[1], int(restored[0].updates)
         return state, 0, 0
 
     def save(self, update: int, state: TrainState, position: int) -> None:
@@ -213,12 +165,9 @@ class Workdir(contextlib.AbstractContextManager):
         if self.checkpoints is not None:
             self.checkpoints.save(update, state, position)
 
-    def close(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         """Closes the metrics file and waits for the checkpoints."""
         if self._metrics is not None:
             self._metrics.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
