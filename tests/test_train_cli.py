@@ -668,24 +668,26 @@ def test_resume_refuses_another_training_and_takes_another_plan(tmp_path, capsys
     ("spec", "more", "status", "says"),
     [
         ("user_model:three_classes", [], 2, "the loss of update 1 is nan"),
+        ("mlp", ["--optimizer", "sgd", "--learning-rate", "1e30"], 2, "the loss of update 2 is"),
         ("user_model:three_classes", ["--allow-nonfinite"], 0, None),
         ("user_model:exits", [], 2, "the factory raised SystemExit: 0"),
     ],
-    ids=["nan", "nan-allowed", "sys.exit"],
+    ids=["nan", "diverges", "nan-allowed", "sys.exit"],
 )
 def test_a_run_that_did_not_train_is_an_error(spec, more, status, says, tmp_path, capsys):
     """Issue 32, fault 13: a non-finite loss, or a factory's exit, is not a run that trained."""
-    flags = ["--model", spec, "--target-batch-size", "32", "--updates", "2", "--eval-every", "0"]
+    flags = ["--model", spec, "--target-batch-size", "32", "--updates", "3", "--eval-every", "0"]
     flags += ["--no-progress", "--no-plan-cache", "--workdir", str(tmp_path), *more]
     assert main(flags) == status
-    err = capsys.readouterr().err
-    if says is not None:
-        assert err.count("\n") == 1 and says in err, err
-        assert not (tmp_path / "checkpoints").exists() or not any(
-            (tmp_path / "checkpoints").iterdir()
-        )  # nothing trained, nothing checkpointed
-    else:
-        assert len(_metrics(tmp_path)) == 2
+    out, err = capsys.readouterr()
+    if says is None:
+        assert len(_metrics(tmp_path)) == 3
+        return
+    assert err.count("\n") == 1 and says in err, err
+    # Logged: the updates before it; checkpointed: nothing (--checkpoint-every 10).
+    assert all(np.isfinite(m["loss"]) for m in _metrics(tmp_path))
+    assert len(_metrics(tmp_path)) == (spec == "mlp")
+    assert not any((tmp_path / "checkpoints").iterdir()) and "checkpoint" not in out, out
 
 
 def test_a_workdir_through_a_missing_directory_creates_nothing_else(tmp_path, monkeypatch):

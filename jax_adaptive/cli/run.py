@@ -173,16 +173,10 @@ class RunHooks:
     def _step(
         self, step: Step, state: TrainState, batch: Any, read: int
     ) -> tuple[TrainState, dict[str, Any]]:
-        """One timed update; a non-finite loss stops the run (unless allowed), its state dropped."""
+        """One update, timed, and the stream's position after its batch."""
         tick = time.perf_counter()
         new, metrics = step(state, batch)  # host values: the update is done
         seconds = time.perf_counter() - tick
-        if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
-            raise ValueError(
-                f"the loss of update {self.done + len(self.lines) + 1} is {metrics['loss']}; "
-                "check the model against the data, or lower --learning-rate "
-                "(--allow-nonfinite trains on)."
-            )
         self._read = read
         per_s = {f"{self.unit}_per_s": metrics[self.unit] / seconds}
         return new, {**metrics, **per_s, "seconds": seconds, "compiles": self.compiles()}
@@ -190,9 +184,15 @@ class RunHooks:
     def after_update(self, update: int, state: TrainState, metrics: dict[str, Any]) -> dict:
         """Evaluates when due, then logs the line, writes the plans and checkpoints when due.
 
-        The line is logged before its checkpoint: a run killed between them redoes the
-        update, whose line `Workdir.start` drops.
+        A non-finite loss stops the run first (unless allowed): nothing of its update is
+        logged or checkpointed. The line is logged before its checkpoint: a run killed
+        between them redoes the update, whose line `Workdir.start` drops.
         """
+        if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
+            raise ValueError(
+                f"the loss of update {update} is {metrics['loss']}; check the model against "
+                "the data, or lower --learning-rate (--allow-nonfinite trains on)."
+            )
         every, held_out = self.config.eval_every, {}
         if self.evaluate and every and (update % every == 0 or update == self.updates):
             held_out = jax.device_get(self.evaluate(state))
