@@ -57,10 +57,10 @@ def state_digest(tree: Any, update: int, position: int) -> str:
 
 
 def damage(exc: BaseException) -> str | None:
-    """What ``exc``, raised reading a checkpoint, says is wrong with its contents, else None.
+    """What ``exc``, raised reading a checkpoint, says is wrong with its contents.
 
-    None for an error that may pass (an ``OSError`` such as ``EIO``, a ``MemoryError``, a
-    ``TypeError``, tensorstore's ``UNAVAILABLE``): the checkpoint must then stay.
+    None for an error that may pass (``EIO``, ``MemoryError``, tensorstore's
+    ``UNAVAILABLE``, ...): the checkpoint must then stay where it is.
 
     Examples:
         >>> damage(ValueError("DATA_LOSS: Error decoding manifest: CRC-32C checksum"))
@@ -97,8 +97,8 @@ class Checkpoints:
         directory: where they go (created when missing).
         run: what defines the training; a checkpoint of another is refused.
         max_to_keep: how many to keep.
-        examples_per_update: a checkpoint's data position must be its update times this,
-            or what this callable gives for it (a schedule's ``examples_before``).
+        examples_per_update: the data position after an update: times the update, or
+            called with it (a schedule's ``examples_before``); None: not checked.
 
     Examples:
         >>> import tempfile, optax
@@ -148,16 +148,11 @@ class Checkpoints:
         self._manager.save(update, args=args)
 
     def restore(self, like: TrainState) -> tuple[TrainState, int] | None:
-        """The newest intact state (placed like ``like``) and its data position.
+        """The newest intact ``(state, data position)``, placed like ``like``; None: none.
 
-        A damaged checkpoint is moved aside with a warning and the one before tried.
-
-        Returns:
-            ``(state, position)``, or None when there is no checkpoint and none aside.
-
-        Raises:
-            ValueError: a checkpoint of another training or state structure, or none
-                intact left after some were moved aside.
+        A damaged checkpoint is moved aside with a warning and the one before tried. A
+        checkpoint of another training or structure, or none intact left of some, is a
+        one-line `ValueError`.
         """
         self._manager.wait_until_finished()
         for update in sorted(self._manager.all_steps(), reverse=True):

@@ -120,30 +120,26 @@ def check_config(config: TrainConfig) -> None:
         Traceback (most recent call last):
         ValueError: --learning-rate nan must be a finite number above 0.
     """
-    gpt, check = config.model == "gpt", checks.flag_int
-    if ":" in str(config.model):
-        load_factory(config.model)
-    elif config.model not in MODEL_NAMES:
-        raise ValueError(
-            f"--model {config.model!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor "
-            "package.module:factory."
-        )
-    if config.target_tokens is not None and not gpt:
-        raise ValueError(
-            "--target-tokens is for --model gpt; image models take --target-batch-size."
-        )
-    if config.optimizer not in _OPTIMIZERS:
-        raise ValueError(
-            f"unknown optimizer {config.optimizer!r}; choose one of {', '.join(_OPTIMIZERS)}."
-        )
-    if config.resume and config.workdir is None:
-        raise ValueError("--resume needs --workdir (the directory of the run to resume).")
-    check("--target-batch-size", config.target_batch_size, high=_MAX_T, high_name="2**31 - 1")
+    gpt, model = config.model == "gpt", str(config.model)
+    if ":" in model:
+        load_factory(model)
+    _refuse(
+        (":" not in model and model not in MODEL_NAMES, f"--model {model!r} is neither a zoo "
+         f"model ({', '.join(MODEL_NAMES)}) nor package.module:factory."),
+        (config.target_tokens is not None and not gpt,
+         "--target-tokens is for --model gpt; image models take --target-batch-size."),
+        (config.optimizer not in _OPTIMIZERS, f"unknown optimizer {config.optimizer!r}; choose "
+         f"one of {', '.join(_OPTIMIZERS)}."),
+        (config.resume and config.workdir is None,
+         "--resume needs --workdir (the directory of the run to resume)."),
+        (config.batch_schedule is not None and gpt,
+         "--batch-schedule is for image models; --model gpt takes --target-tokens."),
+        (config.objective not in OBJECTIVES,
+         f"--objective {config.objective!r} must be one of {', '.join(OBJECTIVES)}."),
+    )  # fmt: skip
+    check, t_max = checks.flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
+    check("--target-batch-size", config.target_batch_size, **t_max)
     if config.batch_schedule is not None:
-        if gpt:
-            raise ValueError(
-                "--batch-schedule is for image models; --model gpt takes --target-tokens."
-            )
         config.schedule()  # raises naming the flag
     if config.micro_batch_size != "auto":
         largest = max(config.target_sizes())
@@ -159,45 +155,43 @@ def check_config(config: TrainConfig) -> None:
         checks.flag_number("--epochs", config.epochs)
     check("--seed", config.seed, low=0, high=2**63 - 1, high_name="2**63 - 1")
     check("--checkpoint-every", config.checkpoint_every)
-    if config.objective not in OBJECTIVES:
-        raise ValueError(
-            f"--objective {config.objective!r} must be one of {', '.join(OBJECTIVES)}."
-        )
     if config.multiple_of is not None:
-        check("--multiple-of", config.multiple_of, high=_MAX_T, high_name="2**31 - 1")
+        check("--multiple-of", config.multiple_of, **t_max)
     check("--eval-every", config.eval_every, low=0)
     if config.target_tokens is not None:
-        check("--target-tokens", config.target_tokens, high=_MAX_T, high_name="2**31 - 1")
+        check("--target-tokens", config.target_tokens, **t_max)
     check("--max-length", config.max_length)
     for flag, path in (
         ("--workdir", config.workdir),
         ("--compilation-cache", config.compilation_cache),
     ):
-        if path is not None and any(c in path for c in "*?[]"):
-            raise ValueError(
-                f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."
-            )
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise ValueError(f"{flag} {path!r} is a file; it must name a directory.")
+        _refuse(
+            (path is not None and any(c in path for c in "*?[]"),
+             f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."),
+            (path is not None and Path(path).exists() and not Path(path).is_dir(),
+             f"{flag} {path!r} is a file; it must name a directory."),
+        )  # fmt: skip
     if gpt:
-        _check_gpt(config)
+        tokens = config.target_tokens
+        _refuse(
+            (config.dataset != "synthetic",
+             "--model gpt trains on synthetic sequences: use --dataset synthetic."),
+            (config.micro_batch_size != "auto",
+             "--model gpt plans each bucket itself: use --micro-batch-size auto."),
+            (config.epochs is not None,
+             "--model gpt reads an endless stream: use --updates, not --epochs."),
+            (config.max_length < 16, f"--max-length {config.max_length} must be at least 16."),
+            (tokens is not None and tokens < config.max_length, f"--target-tokens {tokens} must "
+             f"be at least --max-length {config.max_length}: an update holds at least one "
+             "sequence of each bucket."),
+        )  # fmt: skip
 
 
-def _check_gpt(config: TrainConfig) -> None:
-    """What ``--model gpt`` cannot take."""
-    if config.dataset != "synthetic":
-        raise ValueError("--model gpt trains on synthetic sequences: use --dataset synthetic.")
-    if config.micro_batch_size != "auto":
-        raise ValueError("--model gpt plans each bucket itself: use --micro-batch-size auto.")
-    if config.epochs is not None:
-        raise ValueError("--model gpt reads an endless stream: use --updates, not --epochs.")
-    if config.max_length < 16:
-        raise ValueError(f"--max-length {config.max_length} must be at least 16.")
-    if config.target_tokens is not None and config.target_tokens < config.max_length:
-        raise ValueError(
-            f"--target-tokens {config.target_tokens} must be at least --max-length "
-            f"{config.max_length}: an update holds at least one sequence of each bucket."
-        )
+def _refuse(*checks: tuple[bool, str]) -> None:
+    """Raises the `ValueError` of the first check that is true."""
+    for wrong, message in checks:
+        if wrong:
+            raise ValueError(message)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

@@ -76,11 +76,7 @@ class _Images:
 def load_source(
     dataset: str, *, data_dir: str | None = None, split: str = "train", seed: int = 0
 ) -> Source:
-    """Opens ``"synthetic"`` or ``"tfds:NAME"`` (an image dataset with image and label).
-
-    Raises:
-        ValueError: an unknown name, tensorflow-datasets missing, or TFDS data not
-            prepared as array_record, saying how to fix it.
+    """Opens ``"synthetic"`` or ``"tfds:NAME"``; what cannot be read is one line with the fix.
 
     Examples:
         >>> len(load_source("synthetic"))
@@ -110,8 +106,7 @@ def load_held_out(
 ) -> dict[str, np.ndarray]:
     """Every held-out example as one batch: ``tfds:NAME``'s test split, or new synthetic ones.
 
-    The synthetic ones (`HELD_OUT_EXAMPLES`) come from a seed no training seed takes
-    (``2**63 + seed``), with the training set's class patterns.
+    The synthetic ones come from a seed no training seed takes (``2**63 + seed``).
 
     Examples:
         >>> held_out, train = load_held_out("synthetic"), load_source("synthetic")

@@ -28,10 +28,9 @@ GHOST_BATCH_SIZE = 32
 def ghost_batch_size(config: TrainConfig) -> int | None:
     """The ghost batch of a zoo model with BatchNorm: the same training on any device.
 
-    The largest divisor of `GHOST_BATCH_SIZE` that divides the target batch (every size
-    of a schedule, and a fixed micro-batch), at least 8. None (per-micro-batch
-    statistics) for a model without BatchNorm or a user's, when no such divisor
-    exists, or in a data-parallel run (each group would sit on one device).
+    The largest divisor of `GHOST_BATCH_SIZE` that divides every target batch and a fixed
+    micro-batch, at least 8; else None (per-micro-batch statistics), as for a model
+    without BatchNorm, a user's, or a data-parallel run (a group would sit on one device).
 
     Examples:
         >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
@@ -54,9 +53,8 @@ class ImageModel:
 
     Attributes:
         module: the Flax linen module (images ``[m, H, W, C]`` to logits).
-        mutable: the collections training updates (Flax ``batch_stats``), or ``()``.
-        loss_fn: the trainer's per-example loss, accuracy as aux (``has_state`` when
-            ``mutable``).
+        mutable: the collections training updates (``batch_stats``), or ``()``.
+        loss_fn: the trainer's per-example loss, accuracy as aux.
         metric_fn: held-out per-example ``loss`` and ``accuracy`` in evaluation mode.
         init_kwargs: keyword arguments of ``module.init`` besides the images.
         ghost: the ghost batch of its BatchNorm, or None.
@@ -73,13 +71,9 @@ class ImageModel:
 def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
     """The zoo model ``config.model`` names, or a user's from ``package.module:factory``.
 
-    ``factory(num_classes)`` returns ``(module, loss)``: a linen module from images
-    ``[m, H, W, C]`` to logits (given ``train=`` when its ``__call__`` takes it) and
-    ``loss(logits, labels)``, one loss per example, checked on ``example``.
-
-    Raises:
-        ValueError: one line naming ``--model`` for a factory, module or loss that does
-            not keep that contract (the user's error as ``__cause__``).
+    ``factory(num_classes)`` returns ``(module, loss(logits, labels) -> losses [m])``,
+    checked on ``example``: a breach is one line naming ``--model`` (its error the
+    ``__cause__``).
 
     Examples:
         >>> from jax_adaptive.cli.datasets import SyntheticSource

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive.cli.config import TrainConfig, check_config, make_optimizer
-from jax_adaptive.cli.datasets import ShuffledBatches, Source, load_held_out, load_source
+from jax_adaptive.cli.datasets import ShuffledBatches, load_held_out, load_source
 from jax_adaptive.cli.image_models import ImageModel, ghost_batch_size, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, plural, run_path
 from jax_adaptive.cli.workdir import Workdir, plan_entry
@@ -69,36 +69,6 @@ def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_sta
     return limit
 
 
-def _start(
-    config: TrainConfig, source: Source, out: TextIO
-) -> tuple[ImageModel, AdaptiveTrainer, TrainState, dict[str, Any]]:
-    """The model, its trainer and state, planned, and what the search cost."""
-    example = next(ShuffledBatches(source, 1))
-    model = image_model(config, source.num_classes, source[0])
-    variables = model.module.init(
-        jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
-    )
-    params, model_state = variables.pop("params"), dict(variables) if model.mutable else ()
-    limit = _memory_limit(config, model, params, model_state, example, out)
-    trainer = AdaptiveTrainer(
-        model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
-        micro_batch_size=config.micro_batch_size, memory_limit=limit,
-        multiple_of=multiple_of(config, model), has_aux=True, has_state=bool(model.mutable),
-        objective=config.objective, plan_cache=config.plan_cache_arg(),
-        mesh=data_mesh() if config.data_parallel else None,
-    )  # fmt: skip
-    start = time.perf_counter()
-    state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
-    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
-    search = {
-        "compiles": trainer.compiles,
-        "search_seconds": time.perf_counter() - start,
-        "from_plan_cache": str(trainer.plan_cache.path) if cached else None,
-        "memory_limit": limit,
-    }
-    return model, trainer, state, search
-
-
 def _plan_line(
     trainer: AdaptiveTrainer, search: dict[str, Any], done: int, config: TrainConfig
 ) -> str:
@@ -133,13 +103,38 @@ def _image_line(line: dict[str, Any]) -> str:
     return text
 
 
-def _evaluation(
-    config: TrainConfig, trainer: AdaptiveTrainer, model: ImageModel
-) -> Callable[[TrainState], dict[str, Any]] | None:
-    """The held-out evaluation of a state, as ``eval_*`` metrics (None: ``--eval-every 0``)."""
-    if not config.eval_every:
-        return None
-    held_out = load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
+def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
+    source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
+    example = next(ShuffledBatches(source, 1))
+    model = image_model(config, source.num_classes, source[0])
+    variables = model.module.init(
+        jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
+    )
+    params, model_state = variables.pop("params"), dict(variables) if model.mutable else ()
+    limit = _memory_limit(config, model, params, model_state, example, out)
+    trainer = AdaptiveTrainer(
+        model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
+        micro_batch_size=config.micro_batch_size, memory_limit=limit,
+        multiple_of=multiple_of(config, model), has_aux=True, has_state=bool(model.mutable),
+        objective=config.objective, plan_cache=config.plan_cache_arg(),
+        mesh=data_mesh() if config.data_parallel else None,
+    )  # fmt: skip
+    start = time.perf_counter()
+    state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
+    cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
+    search = {
+        "compiles": trainer.compiles,
+        "search_seconds": time.perf_counter() - start,
+        "from_plan_cache": str(trainer.plan_cache.path) if cached else None,
+        "memory_limit": limit,
+    }
+    held_out = None
+    if config.eval_every:
+        held_out = load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
+    state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
+    if done:
+        trainer.plan(state, example)  # the schedule goes on
+    print(_plan_line(trainer, search, done, config), file=out)
 
     def evaluate(state: TrainState) -> dict[str, Any]:
         metrics = trainer.evaluate(state, held_out, model.metric_fn)
@@ -148,22 +143,6 @@ def _evaluation(
             "eval_examples": metrics["examples"],
             "eval_batch_size": trainer.evaluator(model.metric_fn).batch_size,
         }  # fmt: skip
-
-    return evaluate
-
-
-def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
-    source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
-    updates = config.updates
-    if config.epochs is not None:
-        updates = _updates_in(config.epochs * len(source), config.schedule())
-    model, trainer, state, search = _start(config, source, out)
-    evaluate = _evaluation(config, trainer, model)
-    state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
-    if done:
-        trainer.plan(state, next(ShuffledBatches(source, 1)))  # the schedule goes on
-    print(_plan_line(trainer, search, done, config), file=out)
-    batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
 
     def step(state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict]:
         T = trainer.target_batch_size  # of the state it returned last
@@ -179,10 +158,15 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     def plans() -> dict[str, Any]:
         return {"plans": [plan_entry(trainer)], "search_seconds": search["search_seconds"]}
 
+    updates = config.updates
+    if config.epochs is not None:
+        updates = _updates_in(config.epochs * len(source), config.schedule())
     hooks = RunHooks(
         config, done=done, updates=updates, describe=_image_line, plans=plans,
-        compiles=lambda: trainer.compiles, workdir=workdir, out=out, evaluate=evaluate,
+        compiles=lambda: trainer.compiles, workdir=workdir, out=out,
+        evaluate=evaluate if held_out is not None else None,
     )  # fmt: skip
+    batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
     hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
     lines, evaluated = hooks.lines, [line for line in hooks.lines if "eval_loss" in line]
     return {
@@ -190,11 +174,9 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         "accumulation_steps": trainer.accumulation_steps,
         **search,
         "from_plan_cache": search["from_plan_cache"] is not None,
-        "plan_cache": search["from_plan_cache"],
         "compiles_total": trainer.compiles,  # plan.json's: the search's and every re-plan's
         **hooks.timing(),
         "target_batch_sizes": [line["examples"] for line in lines],
-        "updates": len(lines),
         "losses": [line["loss"] for line in lines],
         "train_accuracy": lines[-1]["train_accuracy"] if lines else None,
         "held_out": {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval_")}

@@ -25,12 +25,7 @@ from jax_adaptive.cli.config import (
 )
 from jax_adaptive.cli.images import train_images
 from jax_adaptive.cli.language_model import train_gpt
-from jax_adaptive.errors import (
-    FitError,
-    NothingFitsError,
-    OptimizerStepOutOfMemory,
-    StateLostError,
-)
+from jax_adaptive.errors import FitError, NothingFitsError, OptimizerStepOutOfMemory, StateLostError
 from jax_adaptive.plan_cache import enable_compilation_cache
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]

@@ -1,8 +1,7 @@
-"""What a command-line run does around `jax_adaptive.loop.fit_loop`, and its summary.
+"""What a command-line run adds to `jax_adaptive.loop.fit_loop`, the one host loop.
 
-Both paths train through the one loop (batches read ahead in a thread, an optimizer step
-that ran out of memory retried, any other error a `jax_adaptive.FitError` holding the
-last good state); `RunHooks` adds the command line's side of each update.
+Both paths train through it (batches read ahead, an optimizer step that ran out of memory
+retried, any other error a `jax_adaptive.FitError` holding the last good state).
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from jax_adaptive.step import TrainState
 
 __all__ = ["READ_AHEAD", "RunHooks", "plan_note", "plural", "run_path", "speed_text"]
 
-READ_AHEAD = 2
-"""Batches read ahead in a background thread while an update runs."""
+READ_AHEAD = 2  # batches read ahead in a background thread while an update runs
 
 Step = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -50,12 +48,7 @@ def _plan(line: Mapping[str, Any]) -> tuple[int, int, int]:
 def plan_note(
     before: tuple[int, int, int] | None, line: dict[str, Any], compiled: int
 ) -> str | None:
-    """The line that says an update changed the plan, or None when it did not.
-
-    Args:
-        before: the plan before it (micro-batch, steps, target batch); None: none yet.
-        line: the update's metrics line.
-        compiled: the sizes the update compiled.
+    """The line that says an update changed the plan from ``before``, or None.
 
     Examples:
         >>> line = {"update": 7, "micro_batch_size": 24, "accumulation_steps": 11,
@@ -87,20 +80,18 @@ class RunHooks:
     """The command line's side of each update: evaluation, lines, plans and checkpoints.
 
     Args:
-        config: ``eval_every``, ``checkpoint_every``, ``progress``, ``allow_nonfinite``.
+        config: the run's flags.
         done: the updates done before (a resumed run's); updates: the last one.
         describe: the printed line(s) of an update's metrics line.
-        plans: `Workdir.write_plan`'s arguments, asked before the first update and after
-            each (their plans also say what the plan was before the first update).
-        compiles: the run's compiles so far (each line holds them).
-        unit: what an update's metrics count per second (``examples``, ``tokens``).
+        plans: `Workdir.write_plan`'s arguments (also the plans before the first update).
+        compiles: the run's compiles so far.
+        unit: what an update counts per second (``examples``, ``tokens``).
         workdir: where to log, write the plans and checkpoint, if anywhere.
         out: where the lines go (default stdout).
-        evaluate: held-out ``eval_*`` metrics of a state, on every ``eval_every``-th
-            update and the last; None: none.
+        evaluate: a state's held-out ``eval_*`` metrics, when ``eval_every`` says.
 
     Attributes:
-        lines: the metrics line of each update run; compiled: the sizes each compiled.
+        lines: each update's metrics line; compiled: the sizes each update compiled.
 
     Examples:
         >>> import io
@@ -139,17 +130,11 @@ class RunHooks:
         self._saved = done  # the update of the latest checkpoint
 
     def run(self, step: Step, state: TrainState, drawn: Iterable[tuple[Any, int]]) -> TrainState:
-        """Runs updates ``done + 1`` to ``updates``.
+        """Runs updates ``done + 1`` to ``updates`` on ``drawn``: (batch, position after it).
 
-        Args:
-            step: one update: the new state and its metrics (host values with at least
-                ``loss``, ``examples``, ``micro_batch_size`` and ``accumulation_steps``).
-            state: the state after ``done`` updates.
-            drawn: each update's batch and the stream's position after it.
-
-        Raises:
-            FitError: any error part-way, with the last good state, checkpointed first
-                with a workdir (as is the state a KeyboardInterrupt carries).
+        ``step(state, batch)`` gives the new state and host metrics (``loss``,
+        ``examples``, ``micro_batch_size``, ``accumulation_steps``). A `FitError` or
+        KeyboardInterrupt checkpoints the last update logged before it propagates.
         """
         if self.workdir is not None:
             self.workdir.start(self.done)  # the lines of updates about to be redone go
@@ -237,12 +222,9 @@ class RunHooks:
         )
 
     def timing(self) -> dict[str, Any]:
-        """The run's speed: steady (after the first update, none that compiled), and mean.
+        """The run's speed: steady (the updates after the first that compiled nothing), mean.
 
-        Returns:
-            ``steady_per_s`` (None without a steady update), ``steady_updates``,
-            ``compiling_seconds``, ``compiling_updates``, ``mean_per_s`` and ``speed``,
-            the summary's words for them.
+        ``speed`` says it in words; ``steady_per_s`` is None without a steady update.
         """
 
         def rate(lines: list[dict[str, Any]]) -> float | None:
@@ -283,9 +265,9 @@ def run_path(
     run: Mapping[str, Any] | None = None,
     examples_per_update: int | Callable[[int], int] | None = None,
 ) -> dict[str, Any]:
-    """Runs one path, ``train(config, workdir or None, out)``, then prints its summary line.
+    """Runs ``train(config, workdir or None, out)`` and prints its summary line.
 
-    ``run`` and ``examples_per_update`` are what a resumed checkpoint must match (`Workdir`).
+    ``run`` and ``examples_per_update`` are what a checkpoint must match (`Workdir`).
 
     Examples:
         >>> import io

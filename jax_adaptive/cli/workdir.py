@@ -53,11 +53,10 @@ class Workdir(contextlib.AbstractContextManager):
     Args:
         path: the directory (resolved: nothing is created outside it).
         config: the run's config, written into ``plan.json``.
-        run: what defines the training (see `Checkpoints`); None: no checkpoints.
-        examples_per_update: what a checkpoint's data position must be (see `Checkpoints`).
+        run, examples_per_update: `Checkpoints`'s; no checkpoints when ``run`` is None.
 
     Raises:
-        ValueError: the directory cannot be used, holds checkpoints without
+        ValueError: a directory that cannot be used, holds checkpoints and no
             ``config.resume``, or cannot be resumed (`Checkpoints.check_resumable`).
 
     Examples:
