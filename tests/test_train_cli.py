@@ -241,7 +241,7 @@ def test_a_workdir_of_another_run_is_refused(tmp_path, capsys):
     assert main(flags) == 2
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     assert main([*flags, "--resume", "--seed", "1"]) == 2
-    assert "of another training (--seed 0 there, 1 now)" in capsys.readouterr().err
+    assert "of another training: --seed 0 there, 1 now. Resume" in capsys.readouterr().err
 
 
 def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):

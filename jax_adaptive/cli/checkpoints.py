@@ -85,8 +85,8 @@ def _differs(key: str, there: Any, now: Any) -> str:
         '--learning-rate 0.003 there, 0.1 now'
     """
     if key == "ghost_batch_size":  # no flag of its own
-        return (f"BatchNorm's ghost batch size {there} there, {now} now (it follows "
-                "--target-batch-size, --batch-schedule and --micro-batch-size)")  # fmt: skip
+        return (f"BatchNorm's ghost batch size {there} there, {now} now, which "
+                "--target-batch-size, --batch-schedule and --micro-batch-size set")  # fmt: skip
     return f"--{key.replace('_', '-')} {there} there, {now} now"
 
 
@@ -201,9 +201,9 @@ class Checkpoints:
         if differ:
             said = "; ".join(_differs(k, run.get(k), self.run.get(k)) for k in differ)
             raise ValueError(
-                f"the checkpoint in {self.directory} is of another training ({said}); resume "
-                "with the flags that wrote it (only the plan's may differ: --memory-limit, "
-                "--micro-batch-size, --objective, ...) or use a new --workdir."
+                f"the checkpoint in {self.directory} is of another training: {said}. Resume with "
+                "the flags that wrote it, or use a new --workdir (only the plan may differ: "
+                "--memory-limit, --micro-batch-size, --objective, ...)."
             )
         return position
 

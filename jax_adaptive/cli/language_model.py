@@ -168,7 +168,7 @@ def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, An
 def _summary_line(summary: dict[str, Any]) -> str:
     losses = summary["losses"]
     return (
-        f"summary: {len(summary['buckets'])} buckets planned with {summary['compiles']} "
+        f"summary: {plural(len(summary['buckets']), 'bucket')} planned with {summary['compiles']} "
         f"compiles, {summary['speed']}, padding {summary['padding_share']:.1%}, final loss "
         + (f"{losses[-1]:.4f}" if losses else "n/a")
     )
