@@ -97,7 +97,9 @@ def test_a_data_position_that_is_not_the_updates_is_refused(tmp_path):
     ckpt.save(4, state_at(4), position=PER_UPDATE * 4 + 3)  # read past its updates
     ckpt.close()
     ckpt = Checkpoints(tmp_path / "ckpt", RUN, examples_per_update=PER_UPDATE)
-    with pytest.warns(UserWarning, match="data position 35 is not 32, the examples of its 4 updates"):
+    with pytest.warns(
+        UserWarning, match="data position 35 is not 32, the examples of its 4 updates"
+    ):
         assert_restored(ckpt, 2)
     ckpt.close()
 
