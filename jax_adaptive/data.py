@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive.errors import HostOutOfMemory
-from jax_adaptive.read_ahead import Unread
+from jax_adaptive.read_ahead import Unread, interrupts_deferred
 from jax_adaptive.streams import Feed, Left
 
 __all__ = [
@@ -227,21 +227,38 @@ def _is_one_batch(dataset: Any) -> bool:
 
 
 class _Pending:
-    """Examples read from a stream and not yet yielded.
+    """Examples read from a stream and not yet taken, kept with the stream's iterator.
 
-    ``batches`` (``count`` examples) were taken in; ``unread`` were read ahead and handed
-    back (`jax_adaptive.read_ahead.Unread`: the batches, then the stream's error if it
-    raised one), to be taken in first by the stream's next reader.
+    ``batches`` (``count`` examples) were read in; ``lent`` was yielded and not yet
+    `Rebatcher.taken` (it goes back in front at the next reader); ``unread`` was read ahead
+    and handed back (`jax_adaptive.read_ahead.Unread`). ``read`` counts the examples read
+    from the stream; ``spec`` is its batches' structure and per-example shapes.
     """
 
     def __init__(self) -> None:
         self.batches: list[Any] = []
-        self.count = 0
+        self.count = self.read = 0
+        self.lent: Any = None
         self.unread = Unread([])
+        self.spec: Any = None
 
     def __bool__(self) -> bool:
-        """Whether anything waits: examples taken in, or batches or an error handed back."""
-        return bool(self.count or self.unread)
+        """Whether anything waits: examples read in or lent, batches or an error handed back."""
+        return bool(self.count or self.lent is not None or self.unread)
+
+    def give_back(self) -> int:
+        """Puts a batch lent and not taken back in front; returns its examples (0: none)."""
+        if self.lent is None:
+            return 0
+        size = leading_size(self.lent)
+        self.batches.insert(0, self.lent)
+        self.count, self.lent = self.count + size, None
+        return size
+
+
+def _spec(batch: Any) -> tuple[Any, list[tuple[int, ...]]]:
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, [np.shape(leaf)[1:] for leaf in leaves]
 
 
 # What each source iterator has had read past the last batch yielded from it, so that a
@@ -264,7 +281,11 @@ class Rebatcher:
     With ``read_ahead``, a background thread reads the stream that many batches ahead
     (`jax_adaptive.read_ahead.ReadAhead`), so that the loader's host work overlaps the
     training between two batches; `close` (or leaving a ``with`` block) stops it and
-    keeps what it read for the stream's next reader, as above.
+    keeps what it read for the stream's next reader, as above. With ``lend``, a batch
+    yielded stays with the stream until `taken` (a training loop calls it once the
+    batch's update is kept): a Ctrl-C at any moment leaves every example not trained on
+    with the stream. A batch whose structure or per-example shapes differ from the
+    stream's first is refused once, naming its position, and skipped.
 
     Args:
         batches: an iterable of pytrees of host arrays, any leading size (0 included).
@@ -274,6 +295,7 @@ class Rebatcher:
         read_ahead: how many of the stream's batches a background thread may read
             before they are needed (0: none, the stream is read when a batch is asked
             for). The stream is then read in that thread only.
+        lend: a batch yielded counts as taken only at `taken`.
 
     Attributes:
         consumed: examples this Rebatcher yielded (the stream position, for resuming).
@@ -294,13 +316,15 @@ class Rebatcher:
         ([0, 1], [2, 3, 4, 5, 6, 7, 8])
     """
 
-    def __init__(self, batches: Iterable[Any], size: int, *, read_ahead: int = 0):
+    def __init__(
+        self, batches: Iterable[Any], size: int, *, read_ahead: int = 0, lend: bool = False
+    ):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{size=} must be a positive int.")
         # _hold, after each change: what waits stays with the caller's iterator.
         batches, self._pending, self._hold = _LEFT.reader(batches)
         self._feed = Feed(batches, self._pending, read_ahead)
-        self.size, self.read_ahead = size, read_ahead
+        self.size, self.read_ahead, self.lend = size, read_ahead, lend
         self.consumed = 0
 
     @property
@@ -308,6 +332,12 @@ class Rebatcher:
         """Examples read from the stream but not yet yielded (handed back ones too)."""
         unread = self._pending.unread.items
         return self._pending.count + sum(leading_size(b, "a batch of the stream") for b in unread)
+
+    def taken(self) -> None:
+        """With ``lend``: the batch yielded last is trained on; it leaves the stream."""
+        with interrupts_deferred():
+            self._pending.lent = None
+            self._hold()
 
     def __enter__(self) -> Rebatcher:
         return self
@@ -318,47 +348,66 @@ class Rebatcher:
     def close(self) -> None:
         """Stops reading ahead; what was read and not yielded stays with the stream.
 
-        It waits for the read in progress. Iterating again reads ahead again. Without
-        ``read_ahead`` there is nothing to stop.
+        A batch lent and not `taken` goes back in front. A read in progress finishes
+        in its thread and follows (`jax_adaptive.read_ahead.Unread.rest`). Iterating
+        again reads ahead again.
         """
-        self._feed.close()
-        self._hold()
+        with interrupts_deferred():
+            self.consumed -= self._pending.give_back()
+            self._feed.close()
+            self._hold()
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
         pending = self._pending
-        try:
-            while pending.count < self.size:
+        self.consumed -= pending.give_back()  # lent and not taken: yielded again
+        while pending.count < self.size:
+            self._feed.wait()  # a Ctrl-C here leaves everything where it was
+            with interrupts_deferred():  # an item leaves the feed only into `pending`
                 try:
-                    batch = next(self._feed)  # handed back first, else read (ahead, or now)
+                    batch = next(self._feed)
                 except StopIteration:
                     raise StopIteration from None
-                if pending.batches:
-                    want = jax.tree.structure(pending.batches[0])
-                    if jax.tree.structure(batch) != want:
-                        raise ValueError(
-                            f"a batch of the stream has structure {jax.tree.structure(batch)}, "
-                            f"the ones before it {want}."
-                        )
-                size = leading_size(batch, "a batch of the stream")
-                pending.batches.append(jax.tree.map(np.asarray, batch))
-                pending.count += size
-        finally:
+                finally:
+                    self._hold()
+                self._take_in(batch)
+        with interrupts_deferred():  # the batch leaves `pending` only to be yielded (or lent)
+            joined = (
+                pending.batches[0]
+                if len(pending.batches) == 1
+                else jax.tree.map(lambda *xs: np.concatenate(xs), *pending.batches)
+            )
+            out = jax.tree.map(lambda x: x[: self.size], joined)
+            rest = jax.tree.map(lambda x: x[self.size :], joined)
+            pending.count -= self.size
+            pending.batches = [rest] if pending.count else []
+            pending.lent = out if self.lend else None
+            self.consumed += self.size
             self._hold()
-        joined = (
-            pending.batches[0]
-            if len(pending.batches) == 1
-            else jax.tree.map(lambda *xs: np.concatenate(xs), *pending.batches)
-        )
-        out = jax.tree.map(lambda x: x[: self.size], joined)
-        rest = jax.tree.map(lambda x: x[self.size :], joined)
-        pending.count -= self.size
-        pending.batches = [rest] if pending.count else []
-        self.consumed += self.size
-        self._hold()
         return out
+
+    def _take_in(self, batch: Any) -> None:
+        """Keeps a batch read from the stream, or refuses one unlike the stream's first."""
+        pending = self._pending
+        size = leading_size(batch, "a batch of the stream")
+        spec, at = _spec(batch), pending.read
+        pending.read += size
+        if pending.spec is None:
+            pending.spec = spec
+        elif spec[0] != pending.spec[0]:
+            raise ValueError(
+                f"the batch of the stream after example {at} has structure {spec[0]}, the "
+                f"ones before it {pending.spec[0]}; it is skipped."
+            )
+        elif spec[1] != pending.spec[1]:
+            raise ValueError(
+                f"the batch of the stream after example {at} has per-example shapes "
+                f"{spec[1]}, the ones before it {pending.spec[1]}; it is skipped."
+            )
+        pending.batches.append(jax.tree.map(np.asarray, batch))
+        pending.count += size
 
 
 def synthetic_images(

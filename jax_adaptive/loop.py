@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import jax
 
 from jax_adaptive.errors import FitError, OptimizerStepOutOfMemory
-from jax_adaptive.read_ahead import ReadAhead, Unread
+from jax_adaptive.read_ahead import ReadAhead, Unread, interrupts_deferred
 
 __all__ = ["fit_loop"]
 
@@ -80,6 +80,7 @@ def fit_loop(
     start: int = 0,
     read_ahead: int = 0,
     unread: Callable[[Unread], None] | None = None,
+    taken: Callable[[], None] | None = None,
 ) -> tuple[State, list[dict[str, Any]]]:
     """Runs ``step`` on each batch until the stream ends or ``num_updates`` are done.
 
@@ -107,6 +108,10 @@ def fit_loop(
             `jax_adaptive.read_ahead.Unread`) when the loop ends, however it ends: a
             stream the caller positions again itself (a checkpoint's data position)
             may drop it. Required with ``read_ahead``: the loop loses no batch unasked.
+        taken: called when the batch in flight is done with: its update kept (in one
+            step with the new state, whole under Ctrl-C), or failed with an error (the
+            `jax_adaptive.FitError` holds it); not on a Ctrl-C, which leaves it with the
+            stream (a `jax_adaptive.Rebatcher` with ``lend``).
 
     Returns:
         The state and one metrics dict (host values) per update.
@@ -148,9 +153,12 @@ def fit_loop(
             except StopIteration:
                 break
             new_state, metrics = _update(step, state, batch, retries, kept)
-            state, metrics = new_state, _on_host(metrics)
-            batch, kept = None, []  # done: nothing in flight
-            history.append(metrics)
+            metrics = _on_host(metrics)
+            with interrupts_deferred():  # the new state, its history and the batch taken
+                state, batch, kept = new_state, None, []  # done: nothing in flight
+                history.append(metrics)
+                if taken is not None:
+                    taken()
             update = start + len(history)
             if after_update is not None:
                 metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
@@ -165,6 +173,8 @@ def fit_loop(
             )
             bar.update()
     except Exception as exc:
+        if batch is not None and taken is not None:
+            taken()  # the error holds the batch: the stream moves past it
         good = kept[-1] if kept else state
         raise FitError(good, history, batch, exc) from exc
     except KeyboardInterrupt as exc:  # stays itself, carrying what was done

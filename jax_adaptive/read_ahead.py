@@ -1,47 +1,91 @@
 """Reading a stream ahead in a background thread, so that its host work overlaps training.
 
-A training loop that reads its next batch only once an update has finished leaves the
-device idle while the loader works (decoding, augmenting, Python code): a hand-written
-JAX loop hides that behind asynchronous dispatch, but `jax_adaptive.AdaptiveTrainer`
-waits for each update to finish, so that an out-of-memory in it is caught and recovered.
-`ReadAhead` reads the next items while the update runs. What it read and nobody took is
-handed back by `ReadAhead.close`, in order, with the stream's error if it raised one:
-nothing read is lost (`jax_adaptive.Rebatcher` keeps it for the stream's next reader).
+`jax_adaptive.AdaptiveTrainer` waits for each update to catch an out-of-memory in it, so a
+loader read only on demand would add its time to every update; `ReadAhead` reads the next
+items while the update runs. `ReadAhead.close` hands back, in order, what it read and
+nobody took (with the stream's error), promptly: a read still in progress finishes in
+its thread, which then ends, and its item follows (`Unread.rest`). `interrupts_deferred`
+makes a step that moves an item from one holder to another whole under Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["ReadAhead", "Unread"]
+__all__ = ["ReadAhead", "Unread", "interrupts_deferred"]
+
+CLOSE_GRACE = 0.25
+"""Seconds `ReadAhead.close` waits for a read in progress before it returns without it."""
+
+_deferring = threading.local()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[list[int]]:
+    """Holds a Ctrl-C (SIGINT) that arrives inside the block, and raises it at the block's end.
+
+    For a step that must happen whole or not at all (an item taken from one holder and
+    kept by the next; a new state kept with the batch it trained on): a blocking wait
+    belongs outside it, or the interrupt would wait too. Only in the main thread under
+    Python's default SIGINT handler (elsewhere it holds nothing); a block inside another
+    holds nothing of its own. Yields the signals held: clearing it drops them.
+
+    Examples:
+        >>> import os, signal
+        >>> with interrupts_deferred() as held:
+        ...     os.kill(os.getpid(), signal.SIGINT)  # held, not raised here
+        ...     held.clear()  # and dropped
+    """
+    nested = getattr(_deferring, "active", False)
+    main = threading.current_thread() is threading.main_thread()
+    if nested or not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield []
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    _deferring.active = True
+    try:
+        yield held
+    finally:
+        _deferring.active = False
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
 
 
 class Unread(NamedTuple):
     """What a closed `ReadAhead` had read and nobody took: ``items``, then ``error``.
 
-    ``error`` is the exception the stream raised after those items (None: none).
+    ``error`` is the exception the stream raised after those items (None: none);
+    ``rest``, when a read was still in progress at close, waits for it and gives what
+    follows (its item, or its error).
     """
 
     items: list[Any]
     error: BaseException | None = None
+    rest: Callable[[], Unread] | None = None
 
     def __bool__(self) -> bool:
-        """Whether anything was handed back: an item, or the stream's error.
+        """Whether anything was handed back: an item, the stream's error, a read to come.
 
         Examples:
             >>> bool(Unread([])), bool(Unread([1])), bool(Unread([], OSError("gone")))
             (False, True, True)
         """
-        return bool(self.items) or self.error is not None
+        return bool(self.items) or self.error is not None or self.rest is not None
 
 
 def _read(
     iterator: Iterator[Any],
     slots: threading.Semaphore,
     out: queue.SimpleQueue,
+    available: threading.Semaphore,
     closing: threading.Event,
 ) -> None:
     """The thread: reads an item whenever a slot is free, until the end, an error or close."""
@@ -53,11 +97,14 @@ def _read(
             item = next(iterator)
         except StopIteration:
             out.put(("end", None))
+            available.release()
             return
         except BaseException as exc:  # the stream's own error, raised where it is taken
             out.put(("error", exc))
+            available.release()
             return
         out.put(("item", item))
+        available.release()
 
 
 class ReadAhead:
@@ -65,8 +112,8 @@ class ReadAhead:
 
     Iterating it yields the iterator's items in order, then raises what the iterator
     raised (its StopIteration, or its error, with its traceback). The iterator is read
-    in the thread only: do not read it elsewhere until `close` returns. Close it to get
-    back what it read ahead; a reader dropped unclosed stops, and what it read is lost.
+    in the thread only, until `close` and its `Unread.rest`. Close it to get back what it
+    read ahead; a reader dropped unclosed stops, and what it read is lost.
 
     Args:
         iterator: any iterator (a generator, a loader); read from one thread at a time.
@@ -87,10 +134,12 @@ class ReadAhead:
             raise ValueError(f"{depth=} must be a positive int.")
         self._slots = threading.Semaphore(depth)  # one per item read and not yet taken
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._available = threading.Semaphore(0)  # one per item (or end) in the queue
+        self._ready = False  # `wait` took the permit of the next item in the queue
         self._closing = threading.Event()
         self._finished = False  # the stream's end or error was taken
         # The thread holds no reference to self: a reader dropped unclosed stops (__del__).
-        args = (iterator, self._slots, self._queue, self._closing)
+        args = (iterator, self._slots, self._queue, self._available, self._closing)
         self._thread = threading.Thread(target=_read, args=args, name="jax_adaptive-read-ahead")
         self._thread.daemon = True  # a stream that never returns cannot hold the exit
         self._thread.start()
@@ -106,10 +155,18 @@ class ReadAhead:
     def __iter__(self) -> ReadAhead:
         return self
 
+    def wait(self) -> None:
+        """Blocks (a Ctrl-C interrupts it) until `next` can return without blocking."""
+        if not self._ready and not self._finished:
+            self._available.acquire()
+            self._ready = True
+
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
-        kind, value = self._queue.get()
+        self.wait()
+        self._ready = False
+        kind, value = self._queue.get_nowait()
         if kind == "item":
             self._slots.release()
             return value
@@ -118,16 +175,20 @@ class ReadAhead:
             raise StopIteration
         raise value
 
-    def close(self) -> Unread:
-        """Stops reading once the read in progress returns; hands back what was not taken.
+    def close(self, grace: float = CLOSE_GRACE) -> Unread:
+        """Stops reading; hands back what was read and not taken, after ``grace`` at most.
 
         Returns:
             The `Unread` items, in the stream's order, and the stream's error if it
-            raised one while read ahead (not raised here). A stream that ended stays
-            ended: its iterator raises StopIteration again.
+            raised one while read ahead (not raised here). A read still in progress after
+            ``grace`` seconds goes on in the thread, which then ends: ``rest`` waits for
+            it. A stream that ended stays ended.
         """
-        self._stop()
-        self._thread.join()
+        with interrupts_deferred() as held:
+            self._stop()
+            self._thread.join(grace)
+            if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                held.clear()  # a second Ctrl-C while the first unwinds: one is enough
         items, error = [], None
         while not self._finished:
             try:
@@ -138,5 +199,12 @@ class ReadAhead:
                 items.append(value)
             else:
                 self._finished, error = True, value
+        if self._thread.is_alive() and not self._finished:  # a read in progress
+            return Unread(items, error, rest=self._rest)
         self._finished = True
         return Unread(items, error)
+
+    def _rest(self) -> Unread:
+        """What the read in progress at `close` gave, once its thread has ended."""
+        self._thread.join()
+        return self.close()

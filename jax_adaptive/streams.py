@@ -138,7 +138,22 @@ class Feed:
     def __iter__(self) -> Feed:
         return self
 
+    def wait(self) -> None:
+        """Blocks (a Ctrl-C interrupts it) until `next` can take an item without waiting.
+
+        A read an earlier reader left in progress (`Unread.rest`) is waited for here.
+        Without ``read_ahead`` the read itself happens in `next`.
+        """
+        unread = self._left.unread
+        while not unread.items and unread.error is None and unread.rest is not None:
+            unread = self._left.unread = unread.rest()
+        if not unread and self.read_ahead:
+            if self._reader is None:  # started once what was handed back is taken
+                self._reader = ReadAhead(self._iterator, self.read_ahead)
+            self._reader.wait()
+
     def __next__(self) -> Any:
+        self.wait()
         unread = self._left.unread
         if unread.items:
             return unread.items.pop(0)
@@ -147,12 +162,10 @@ class Feed:
             raise unread.error
         if not self.read_ahead:
             return next(self._iterator)
-        if self._reader is None:  # started once what was handed back is taken
-            self._reader = ReadAhead(self._iterator, self.read_ahead)
         return next(self._reader)
 
     def close(self) -> None:
-        """Stops reading ahead (after the read in progress); hands back what was not taken.
+        """Stops reading ahead; hands back what was not taken (a read in progress follows).
 
         Iterating again reads ahead again. Without ``read_ahead`` there is nothing to stop.
         """

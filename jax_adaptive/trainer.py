@@ -467,18 +467,25 @@ class AdaptiveTrainer:
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluations.after_update(eval_every, eval_data, metric_fn, num_updates)
-        stream = Rebatcher(batches, self.target_batch_size_for(state), read_ahead=read_ahead)
+        T = self.target_batch_size_for(state)
+        stream = Rebatcher(batches, T, read_ahead=read_ahead, lend=True)
 
         def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
             state, metrics = self.step(state, batch)
             stream.size = self.target_batch_size  # the next update's (a schedule's)
             return state, metrics
 
-        with stream:  # what was read ahead goes back to the stream's iterator
-            state, history = fit_loop(
-                step, state, stream, num_updates, progress=progress, on_update=on_update,
-                after_update=after,
-            )  # fmt: skip
+        history: list[dict[str, Any]] = []
+        try:
+            with stream:  # what was read and not trained on goes back to the stream
+                state, history = fit_loop(
+                    step, state, stream, num_updates, progress=progress, on_update=on_update,
+                    after_update=after, taken=stream.taken,
+                )  # fmt: skip
+        except KeyboardInterrupt as exc:  # wherever it landed, it carries what was done
+            if not hasattr(exc, "state"):
+                exc.state, exc.history = state, history  # type: ignore[attr-defined]
+            raise
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history

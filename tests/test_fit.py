@@ -4,7 +4,12 @@ The reference is plain optax: one jitted full-batch step per target batch, on th
 batches cut by hand from the stream of example ids.
 """
 
+import contextlib
+import itertools
+import random
+import signal
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -122,14 +127,14 @@ def test_an_optimizer_step_that_keeps_failing_ends_fit_with_the_kept_state():
 
 def test_an_error_part_way_keeps_the_updates_made_and_the_batch_in_flight():
     t, state = trainer()
-    bad = {"x": np.ones((T, 4), np.float32), "y": np.ones(T, np.float32)}  # 4 features, not 3
+    bad = {"x": np.ones((T, 3), np.int32), "y": np.ones(T, np.float32)}  # int, not float
     stream = iter([examples(range(0, 8)), examples(range(8, 16)), bad, examples(range(16, 24))])
     with pytest.raises(ja.FitError, match="by ValueError: the batch leaf") as info:
         t.fit(state, stream)
     error = info.value
-    assert isinstance(error.__cause__, ValueError) and "per-example shape" in str(error.__cause__)
+    assert isinstance(error.__cause__, ValueError) and "dtype int32" in str(error.__cause__)
     assert len(error.history) == 2 and int(error.state.updates) == 2
-    assert error.batch is not None and error.batch["x"].shape == (T, 4)
+    assert error.batch is not None and error.batch["x"].dtype == np.int32
     assert_trees_close(error.state.params, reference(2), 1e-6)
     state, history = t.fit(error.state, stream)  # go on past the bad batch: nothing lost
     assert len(history) == 1
@@ -209,3 +214,92 @@ def test_the_one_loop_resumes_numbering_and_hands_back_what_it_read_ahead():
     assert left + list(stream) == [6, 7, 8, 9, 10]  # nothing read is lost
     with pytest.raises(ValueError, match="read_ahead needs unread"):
         fit_loop(step, 0, [1], read_ahead=1)
+
+
+def test_a_malformed_chunk_is_reported_once_with_its_position_and_not_handed_back():
+    """Issue 32, fault 8: a chunk of the wrong trailing shape must not poison the iterator."""
+
+    def stream():
+        yield from chunks(total=15)  # examples 0..14
+        bad = examples(range(15, 20))
+        bad["x"] = np.zeros((5, 4), np.float32)  # 4 features, not 3
+        yield bad
+        for start in range(20, 40, 5):
+            yield examples(range(start, start + 5))
+
+    t, state = trainer()
+    it = stream()
+    with pytest.raises(ja.FitError, match=r"after example 15 .* per-example shape") as info:
+        t.fit(state, it)
+    assert len(info.value.history) == 1 and int(info.value.state.updates) == 1
+    state, history = t.fit(info.value.state, it)  # goes on: the bad chunk is not read again
+    assert len(history) == 3  # 35 good examples: 4 updates in all, 3 left over
+    kept = [i for i in range(40) if not 15 <= i < 20]
+    batches = [examples(kept[u * T : (u + 1) * T]) for u in range(4)]
+    expected = full_batch_reference(loss, OPTIMIZER, jnp.zeros(3), batches)
+    assert_trees_close(state.params, expected, 1e-6)
+
+
+@contextlib.contextmanager
+def _interrupt_main_after(seconds):
+    """SIGINT to the main thread after ``seconds``, as a Ctrl-C in a terminal delivers it.
+
+    The block must end by it: the signal never lands outside the block.
+    """
+    main = threading.main_thread().ident
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            yield info
+            timer.join()  # the block ended before the signal: wait for it here
+    finally:
+        timer.cancel()
+        timer.join()
+
+
+def test_ctrl_c_at_any_moment_of_fit_with_read_ahead_loses_no_example():
+    """Issue 32, fault 9: whatever is not trained on goes back to the iterator."""
+
+    def endless():
+        for start in itertools.count(0, 5):
+            time.sleep(0.001)  # a loader with some work to do
+            yield examples(range(start, start + 5))
+
+    t, state = trainer()
+    it, rng = endless(), random.Random(2026)
+    # Compiled first: an interrupt inside JAX's reading of its compilation cache would
+    # leak the cache file (JAX's, not ours), which the test's warnings-as-errors catches.
+    state, _ = t.fit(state, it, num_updates=1, read_ahead=2)
+    for _ in range(30):  # the stream never ends: every fit ends by the interrupt
+        with _interrupt_main_after(rng.uniform(0.0, 0.03)) as info:
+            t.fit(state, it, read_ahead=2)
+        state = info.value.state
+    done = int(state.updates)
+    state, _ = t.fit(state, it, num_updates=2, read_ahead=2)  # and it goes on where it was
+    assert_trees_close(state.params, reference(done + 2), 1e-6)
+
+
+def test_ctrl_c_while_the_loader_blocks_is_prompt_and_keeps_the_read_in_progress():
+    """Issue 32, fault 10: no wait for the loader, the state carried, no reader left over."""
+
+    def slow():
+        yield from chunks(total=20)
+        time.sleep(3.0)  # a read that blocks (a network filesystem, a stalled worker)
+        yield examples(range(20, 25))
+        yield from (examples(range(s, s + 5)) for s in range(25, 40, 5))
+
+    t, state = trainer()
+    it = slow()
+    state, _ = t.fit(state, it, num_updates=1, read_ahead=2)  # compiled first (as above)
+    start = time.perf_counter()
+    with _interrupt_main_after(1.0) as info:
+        t.fit(state, it, read_ahead=2)
+    waited = time.perf_counter() - start
+    assert waited < 1.8, waited  # the interrupt at 1 s, not the read's end at 3 s
+    assert len(info.value.history) == 1 and int(info.value.state.updates) == 2
+    state, history = t.fit(info.value.state, it, read_ahead=2)  # the slow read's examples too
+    assert len(history) == 3
+    assert_trees_close(state.params, reference(5), 1e-6)
+    alive = [th for th in threading.enumerate() if th.name == "jax_adaptive-read-ahead"]
+    assert not alive, alive
