@@ -9,11 +9,13 @@ returns sums (per-example gradients clipped, moments, counts).
 
 The micro-batch size ``m`` is static and need not divide ``T``. The last micro-batch is
 padded with real rows and masked: it is the batch's last ``m`` rows, whose weights are
-0 on the rows an earlier micro-batch already counted. Padding with real rows, not zeros,
-keeps a loss finite on every row (a masked infinity still poisons the gradient with
-NaN), and slicing the batch in place copies no padded batch. Unlike ``optax.microbatch``
-and Levanter's ``grad_accum`` (a size that must divide the batch), any size gives the
-exact gradient, so the size can be the largest that fits (`jax_adaptive.AdaptiveStep`).
+0 on the rows an earlier micro-batch already counted, and slicing the batch in place
+copies no padded batch. A row of weight 0 (that padding, or a weight of 0 given) never
+reaches the gradient: the loss sees a live row of its micro-batch in its place
+(`jax_adaptive.step.weighted_grad`), so a masked NaN or infinity stays out. Unlike
+``optax.microbatch`` and Levanter's ``grad_accum`` (a size that must divide the batch),
+any size gives the exact gradient, so the size can be the largest that fits
+(`jax_adaptive.AdaptiveStep`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jax_adaptive.step import (
     PerExampleLoss,
     call_loss,
     loss_takes_weights,
-    weighted_sums,
+    weighted_grad,
 )
 
 __all__ = ["MicroBatchGrad", "micro_batch_grad", "micro_batch_sum"]
@@ -221,14 +223,10 @@ def micro_batch_grad(
             grads, sums, state = carry
             key = None if rng is None else jax.random.fold_in(rng, offset)
 
-            def objective(p: Params) -> tuple[jax.Array, Any]:
-                loss_sum, new_sums, new_state = weighted_sums(
-                    loss_fn, has_aux, has_state, takes_weights, p, state, micro_batch, key,
-                    micro_weights,
-                )  # fmt: skip
-                return loss_sum / total, (new_sums, new_state)
-
-            micro_grads, (micro_sums, new_state) = jax.grad(objective, has_aux=True)(params)
+            micro_grads, micro_sums, new_state = weighted_grad(
+                loss_fn, has_aux, has_state, takes_weights, params, state, micro_batch, key,
+                micro_weights, total,
+            )  # fmt: skip
             grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, micro_grads)
             sums = {name: sums[name] + value for name, value in micro_sums.items()}
             return grads, sums, new_state

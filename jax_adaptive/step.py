@@ -23,6 +23,12 @@ no collective, into a per-device accumulator that the optimizer step sums once.
 The sum of per-example gradients divided by ``T`` is the full-batch mean gradient
 whatever the micro-batch sizes (padding is masked), so the update is exact. Per-example
 weights other than 0 and 1 give weighted means the same way (a token count per sequence).
+
+A row of weight 0 (padding, a user's mask) is selected out, never multiplied by zero:
+the backward pass would multiply its zero cotangent by its partial derivatives, and
+``0 * nan`` is ``nan`` (the "double where" problem). `weighted_grad` runs the loss on
+`live_rows`, where each such row is replaced by a row of non-zero weight, and selects
+out the gradient of a micro-batch that has none.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ __all__ = [
     "TrainState",
     "call_loss",
     "check_per_example",
+    "live_rows",
     "loss_takes_weights",
     "make_micro_step",
     "make_optimizer_step",
     "multi_steps",
     "per_device",
+    "weighted_grad",
     "weighted_sums",
     "with_optimizer_step",
 ]
@@ -164,6 +172,33 @@ def check_per_example(name: str, value: Any, m: int) -> None:
         raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
 
 
+def live_rows(batch: Batch, weights: jax.Array) -> Batch:
+    """``batch`` with each row of weight 0 replaced by a row of non-zero weight (a live one).
+
+    Live rows keep their place; masked row ``j`` becomes live row number ``j mod n``
+    (``n`` live rows, in order). A loss then never runs on a masked row, whose loss may
+    be NaN or inf, yet sees as many rows: a micro-batch padded at its end by repeating
+    its real rows (`jax_adaptive.data.micro_batches`) is unchanged, BatchNorm statistics
+    included. With no live row the batch is left as it is: `weighted_grad` selects its
+    gradient out. Vectorised: a scan and a scatter of the ``m`` weights, a gather per leaf.
+
+    Example:
+        >>> x = jnp.array([1.0, jnp.nan, 3.0, 4.0, jnp.inf])
+        >>> live_rows(x, jnp.array([1.0, 0.0, 2.0, 1.0, 0.0])).tolist()
+        [1.0, 3.0, 3.0, 4.0, 3.0]
+    """
+    m = weights.shape[0]
+    live = weights != 0
+    rows = jnp.arange(m, dtype=jnp.int32)
+    # The live rows' indices in order, by a scatter (an argsort of the weights costs
+    # more than the micro-batch's gather on a CPU).
+    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    order = jnp.zeros(m, jnp.int32).at[jnp.where(live, rank, m)].set(rows, mode="drop")
+    count = jnp.maximum(rank[-1] + 1, 1)
+    source = jnp.where(live, rows, order[rows % count])
+    return jax.tree.map(lambda x: x.at[source].get(mode="promise_in_bounds"), batch)
+
+
 def weighted_sums(
     loss_fn: PerExampleLoss,
     has_aux: bool,
@@ -177,9 +212,10 @@ def weighted_sums(
 ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     """Calls the per-example loss on one micro-batch and sums it with ``weights``.
 
-    The one place that defines what a micro-batch contributes, for the trainer's
-    micro-step and for `jax_adaptive.micro_batch_grad`: a row of weight 0 (padding)
-    contributes exactly 0, even where its loss is inf or NaN.
+    What a micro-batch contributes, for `weighted_grad`: a row of weight 0 (padding, a
+    user's mask) contributes exactly 0 to the sums, even where its loss is inf or NaN
+    (to keep it out of the gradient too, call the loss on `live_rows`, as
+    `weighted_grad` does).
 
     Returns:
         ``sum(weights * losses)`` (what the gradient is taken of), the weighted float32
@@ -210,13 +246,72 @@ def weighted_sums(
     return jnp.sum(weighted["loss"]), sums, new_state
 
 
-def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
-    """``total / T``: ``T`` the runtime ``target`` or else the built-in ``target_batch_size``."""
+def weighted_grad(
+    loss_fn: PerExampleLoss,
+    has_aux: bool,
+    has_state: bool,
+    takes_weights: bool,
+    params: Params,
+    model_state: Any,
+    batch: Batch,
+    key: Any,
+    weights: jax.Array,
+    divisor: Any,
+) -> tuple[Params, dict[str, jax.Array], Any]:
+    """The gradient of ``sum(weights * losses) / divisor`` on one micro-batch.
+
+    The one place that defines what a micro-batch contributes, for the trainer's
+    micro-step and for `jax_adaptive.micro_batch_grad`. Rows of weight 0 never reach the
+    gradient: the loss runs on `live_rows`, and a micro-batch with no row of non-zero
+    weight contributes a gradient of exactly 0 and leaves the model state as it was
+    (as padding leaves BatchNorm's running averages in `jax_adaptive.ghost_batches`).
+
+    Returns:
+        The gradient, the weighted float32 sums of the loss and of each aux metric
+        (`weighted_sums`), and the new model state.
+
+    Example:
+        >>> loss = lambda p, b, r: jnp.log(b) * p  # NaN at a negative row
+        >>> grads, sums, _ = weighted_grad(
+        ...     loss, False, False, False, 1.0, (), jnp.array([1.0, -1.0]), None,
+        ...     jnp.array([1.0, 0.0]), 1.0,
+        ... )  # fmt: skip
+        >>> float(grads), float(sums["loss"])  # the NaN row has weight 0
+        (0.0, 0.0)
+    """
+
+    def objective(p: Params) -> tuple[jax.Array, Any]:
+        total, sums, new_state = weighted_sums(
+            loss_fn, has_aux, has_state, takes_weights, p, model_state,
+            live_rows(batch, weights), key, weights,
+        )  # fmt: skip
+        return total / jnp.asarray(divisor).astype(total.dtype), (sums, new_state)
+
+    grads, (sums, new_state) = jax.grad(objective, has_aux=True)(params)
+    # A select, not a product: with no live row the loss ran on masked rows.
+    any_live = jnp.any(weights != 0)
+    grads = jax.tree.map(lambda g: jnp.where(any_live, g, jnp.zeros_like(g)), grads)
+    if has_state:
+        new_state = jax.tree.map(
+            lambda new, old: jnp.where(any_live, new, old).astype(jnp.result_type(new)),
+            new_state,
+            model_state,
+        )
+    return grads, sums, new_state
+
+
+def _target(target_batch_size: int | None, target: Any) -> Any:
+    """``T``: the runtime ``target`` or else the built-in ``target_batch_size``."""
     if target is None:
         if target_batch_size is None:
             raise TypeError("the step needs target=T (it was made without target_batch_size).")
         target = target_batch_size
-    return total / jnp.asarray(target).astype(total.dtype)
+    return target
+
+
+def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
+    """``total / T`` (`_target`), in ``total``'s dtype."""
+    return total / jnp.asarray(_target(target_batch_size, target)).astype(total.dtype)
 
 
 def make_micro_step(
@@ -266,13 +361,10 @@ def make_micro_step(
         with jax.named_scope(f"micro_batch_{m}"):
             key = jax.random.fold_in(jax.random.fold_in(rng, opt_state.gradient_step), offset)
 
-            def objective(p):
-                loss_sum, sums, new_state = weighted_sums(
-                    loss_fn, has_aux, has_state, takes_weights, p, model_state, batch, key, weights
-                )
-                return _scale(loss_sum, target_batch_size, target), (sums, new_state)
-
-            grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
+            grads, sums, new_model_state = weighted_grad(
+                loss_fn, has_aux, has_state, takes_weights, params, model_state, batch, key,
+                weights, _target(target_batch_size, target),
+            )  # fmt: skip
             _, new_opt = multi_steps(optimizer, k).update(
                 grads, opt_state._replace(acc_grads=acc_grads), params
             )
