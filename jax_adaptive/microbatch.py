@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_adaptive import checks
 from jax_adaptive.data import leading_size
 from jax_adaptive.step import (
     Batch,
@@ -183,7 +184,8 @@ def micro_batch_grad(
     as in every accumulation scheme: BatchNorm statistics are per micro-batch). A loss
     that declares a keyword ``weights`` gets each micro-batch's weights (0 on padding).
     Each micro-batch gets the key ``fold_in(rng, offset)`` (``offset`` its first row),
-    or None when ``rng`` is None.
+    or None when ``rng`` is None. An aux metric may not be named ``"loss"`` (it would
+    replace the loss): the first trace raises a ValueError, as the trainer does.
 
     Args:
         loss_fn: the per-example loss.
@@ -207,6 +209,7 @@ def micro_batch_grad(
     """
     m = _check_size(micro_batch_size)
     takes_weights = loss_takes_weights(loss_fn)
+    loss_fn = checks.refuse_aux_named_loss(loss_fn, has_aux, has_state)
 
     def grad_fn(
         params: Params,
