@@ -245,6 +245,24 @@ def test_bad_outputs_and_datasets_are_one_line_errors(params, data):
         evaluator(max_batch_size=0)
 
 
+@pytest.mark.parametrize("most", [N, 7])
+def test_integer_metrics_are_summed_exactly_in_64_bits(params, data, most):
+    """An int32 sum of 40 values of 2**30 wraps (to 0); a uint32 one of 3e9 too."""
+
+    def counts(params, batch):
+        n = batch["y"].shape[0]
+        return {
+            "big": jnp.full(n, 2**30, jnp.int32),
+            "unsigned": jnp.full(n, 3_000_000_000, jnp.uint32),
+            "negative": jnp.full(n, -(2**30), jnp.int32),
+        }
+
+    ev = ja.Evaluator(counts, max_batch_size=most, plan_cache=False)
+    metrics = ev.evaluate(params, data)
+    assert metrics["examples"] == N
+    assert (metrics["big"], metrics["unsigned"], metrics["negative"]) == (2**30, 3e9, -(2**30))
+
+
 def test_the_plan_cache_keeps_its_own_key(tmp_path, params, data, ledgers):
     path = tmp_path / "plans.json"
     limit = ledgers[23].total
