@@ -281,13 +281,43 @@ def test_the_plan_cache_keeps_its_own_key(tmp_path, params, data, ledgers):
     assert len(json.loads(path.read_text())) == 2  # training's plan and evaluation's
 
 
-def test_progress_bar_is_off_by_default_and_cheap_when_on(params, data, capsys):
-    evaluator(max_batch_size=8).evaluate(params, data)
-    assert capsys.readouterr().err == ""
-    assert_same_metrics(
-        evaluator(max_batch_size=8, progress=True).evaluate(params, data), params, data
-    )
-    assert "example" in capsys.readouterr().err
+class _Runs:
+    """A fault hook that faults nothing: it counts the compiles and the runs."""
+
+    def __init__(self):
+        self.compiles, self.runs = 0, 0
+
+    def before_compile(self, size):
+        self.compiles += 1
+
+    def before_execution(self, size, args):
+        self.runs += 1
+
+
+def test_progress_bar_is_off_by_default_and_cheap_when_on(params, data, capsys, monkeypatch):
+    """Cheap: the bar adds no compile and no device run, and one host update per batch."""
+    import tqdm.auto
+
+    updates = []
+
+    class CountingBar(tqdm.auto.tqdm):
+        def update(self, n=1):
+            updates.append(n)
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", CountingBar)
+    cost = {}
+    for progress in (False, True):
+        ev = evaluator(max_batch_size=8, progress=progress)
+        ev.fault_hook = hook = _Runs()
+        updates.clear()
+        assert_same_metrics(ev.evaluate(params, data), params, data)
+        cost[progress] = (hook.compiles, hook.runs, list(updates))
+        shown = capsys.readouterr().err
+        assert ("example" in shown) if progress else shown == ""
+    assert cost[True] == cost[False]
+    _, runs, bar_updates = cost[True]
+    assert runs == -(-N // 8) and bar_updates == [8] * runs  # one update per batch of 8
 
 
 def test_evaluating_between_updates_leaves_training_exact(params, data):
