@@ -55,7 +55,6 @@ __all__ = [
     "multi_steps",
     "per_device",
     "weighted_grad",
-    "weighted_sums",
     "with_optimizer_step",
 ]
 
@@ -199,53 +198,6 @@ def live_rows(batch: Batch, weights: jax.Array) -> Batch:
     return jax.tree.map(lambda x: x.at[source].get(mode="promise_in_bounds"), batch)
 
 
-def weighted_sums(
-    loss_fn: PerExampleLoss,
-    has_aux: bool,
-    has_state: bool,
-    takes_weights: bool,
-    params: Params,
-    model_state: Any,
-    batch: Batch,
-    key: Any,
-    weights: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array], Any]:
-    """Calls the per-example loss on one micro-batch and sums it with ``weights``.
-
-    What a micro-batch contributes, for `weighted_grad`: a row of weight 0 (padding, a
-    user's mask) contributes exactly 0 to the sums, even where its loss is inf or NaN
-    (to keep it out of the gradient too, call the loss on `live_rows`, as
-    `weighted_grad` does).
-
-    Returns:
-        ``sum(weights * losses)`` (what the gradient is taken of), the weighted float32
-        sums of the loss and of each aux metric by name, and the new model state.
-
-    Examples:
-        >>> loss = lambda p, b, r: (b - p) ** 2
-        >>> total, sums, _ = weighted_sums(
-        ...     loss, False, False, False, 1.0, (), jnp.array([0.0, jnp.nan]), None,
-        ...     jnp.array([1.0, 0.0]),
-        ... )  # fmt: skip
-        >>> float(total), float(sums["loss"])  # the NaN row has weight 0
-        (1.0, 1.0)
-    """
-    m = weights.shape[0]
-    losses, aux, new_state = call_loss(
-        loss_fn, has_aux, has_state, params, model_state, batch, key,
-        weights if takes_weights else None,
-    )  # fmt: skip
-    check_per_example("loss_fn's losses", losses, m)
-    for name, value in aux.items():
-        check_per_example(f"aux[{name!r}]", value, m)
-    # where, not a product alone: a padding row's inf or NaN must not leak.
-    weighted = {
-        name: jnp.where(weights != 0, weights * v, 0) for name, v in {"loss": losses, **aux}.items()
-    }
-    sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
-    return jnp.sum(weighted["loss"]), sums, new_state
-
-
 def weighted_grad(
     loss_fn: PerExampleLoss,
     has_aux: bool,
@@ -258,17 +210,19 @@ def weighted_grad(
     weights: jax.Array,
     divisor: Any,
 ) -> tuple[Params, dict[str, jax.Array], Any]:
-    """The gradient of ``sum(weights * losses) / divisor`` on one micro-batch.
+    """The gradient of ``sum(weights * losses) / divisor`` on one micro-batch, and its sums.
 
     The one place that defines what a micro-batch contributes, for the trainer's
-    micro-step and for `jax_adaptive.micro_batch_grad`. Rows of weight 0 never reach the
-    gradient: the loss runs on `live_rows`, and a micro-batch with no row of non-zero
-    weight contributes a gradient of exactly 0 and leaves the model state as it was
-    (as padding leaves BatchNorm's running averages in `jax_adaptive.ghost_batches`).
+    micro-step and for `jax_adaptive.micro_batch_grad`. A row of weight 0 (padding, a
+    user's mask) contributes exactly 0 to the sums and never reaches the gradient, even
+    where its loss is inf or NaN: the loss runs on `live_rows`, and a micro-batch with
+    no row of non-zero weight contributes a gradient of exactly 0 and leaves the model
+    state as it was (as padding leaves BatchNorm's running averages in
+    `jax_adaptive.ghost_batches`).
 
     Returns:
-        The gradient, the weighted float32 sums of the loss and of each aux metric
-        (`weighted_sums`), and the new model state.
+        The gradient, the weighted float32 sums of the loss and of each aux metric by
+        name, and the new model state.
 
     Example:
         >>> loss = lambda p, b, r: jnp.log(b) * p  # NaN at a negative row
@@ -279,17 +233,26 @@ def weighted_grad(
         >>> float(grads), float(sums["loss"])  # the NaN row has weight 0
         (0.0, 0.0)
     """
+    m = weights.shape[0]
+    live = weights != 0
 
     def objective(p: Params) -> tuple[jax.Array, Any]:
-        total, sums, new_state = weighted_sums(
-            loss_fn, has_aux, has_state, takes_weights, p, model_state,
-            live_rows(batch, weights), key, weights,
+        losses, aux, new_state = call_loss(
+            loss_fn, has_aux, has_state, p, model_state, live_rows(batch, weights), key,
+            weights if takes_weights else None,
         )  # fmt: skip
+        check_per_example("loss_fn's losses", losses, m)
+        for name, value in aux.items():
+            check_per_example(f"aux[{name!r}]", value, m)
+        # where, not a product alone: with no live row, the loss ran on masked rows.
+        weighted = {n: jnp.where(live, weights * v, 0) for n, v in {"loss": losses, **aux}.items()}
+        sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
+        total = jnp.sum(weighted["loss"])
         return total / jnp.asarray(divisor).astype(total.dtype), (sums, new_state)
 
     grads, (sums, new_state) = jax.grad(objective, has_aux=True)(params)
-    # A select, not a product: with no live row the loss ran on masked rows.
-    any_live = jnp.any(weights != 0)
+    # A select, not a product, for the same reason.
+    any_live = jnp.any(live)
     grads = jax.tree.map(lambda g: jnp.where(any_live, g, jnp.zeros_like(g)), grads)
     if has_state:
         new_state = jax.tree.map(
