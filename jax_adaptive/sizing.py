@@ -437,7 +437,7 @@ class Sizing:
         self.what = what
         self.memory_limit = checks.check_limit(memory_limit)
         self.headroom = checks.check_fraction("headroom", headroom)
-        self.device = checks.check_device(device) or jax.local_devices()[0]
+        self.device = device or jax.local_devices()[0]
         self.plan_cache = plan_cache
         self.oom_retries = checks.non_negative_int("oom_retries", oom_retries)
         self.agree = agree or (lambda size: size)
