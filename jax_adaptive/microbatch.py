@@ -10,9 +10,9 @@ returns sums (per-example gradients clipped, moments, counts).
 The micro-batch size ``m`` is static and need not divide ``T``. The last micro-batch is
 padded with real rows and masked: it is the batch's last ``m`` rows, whose weights are
 0 on the rows an earlier micro-batch already counted, and slicing the batch in place
-copies no padded batch. A row of weight 0 (that padding, or a weight of 0 given) never
-reaches the gradient: the loss sees a live row of its micro-batch in its place
-(`jax_adaptive.step.weighted_grad`), so a masked NaN or infinity stays out. Unlike
+copies no padded batch. A row of weight 0 given never reaches the gradient: the loss
+sees a live row's inputs in its place (`jax_adaptive.step.live_source`), so a masked
+NaN or infinity stays out. Unlike
 ``optax.microbatch`` and Levanter's ``grad_accum`` (a size that must divide the batch),
 any size gives the exact gradient, so the size can be the largest that fits
 (`jax_adaptive.AdaptiveStep`).
@@ -35,6 +35,7 @@ from jax_adaptive.step import (
     Params,
     PerExampleLoss,
     call_loss,
+    live_source,
     loss_takes_weights,
     weighted_grad,
 )
@@ -92,23 +93,27 @@ def _loop(
 
     Micro-batch ``i`` is the ``m`` rows from ``min(i * m, T - m)``; its weights are 0 on
     rows before ``i * m`` (counted by micro-batch ``i - 1``), so every row counts once.
+    Its rows are gathered by `jax_adaptive.step.live_source`: a row of weight 0 holds a
+    live row's inputs.
     """
     total = leading_size(batch)
     m = min(micro_batch_size, total)  # a size above T is the whole batch
     steps = math.ceil(total / m)
+    source = live_source(weights)
+
+    def gather(rows: jax.Array) -> Batch:
+        return jax.tree.map(lambda x: jnp.asarray(x).at[rows].get(mode="promise_in_bounds"), batch)
+
     if steps == 1:
-        return body(carry, batch, weights, jnp.int32(0))
+        return body(carry, gather(source), weights, jnp.int32(0))
     rows = jnp.arange(m, dtype=jnp.int32)
 
     def step(i: jax.Array, carry: Any) -> Any:
         first = i * m  # the first row not yet counted
         start = jnp.minimum(first, total - m)
-
-        def rows_of(x: jax.Array) -> jax.Array:
-            return lax.dynamic_slice_in_dim(x, start, m, axis=0)
-
-        micro_weights = jnp.where(start + rows >= first, rows_of(weights), 0.0)
-        return body(carry, jax.tree.map(rows_of, batch), micro_weights, start)
+        own = lax.dynamic_slice_in_dim(weights, start, m)  # each row's own weight
+        micro_weights = jnp.where(start + rows >= first, own, 0.0)
+        return body(carry, gather(lax.dynamic_slice_in_dim(source, start, m)), micro_weights, start)
 
     return lax.fori_loop(0, steps, step, carry)
 

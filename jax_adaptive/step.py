@@ -26,9 +26,10 @@ weights other than 0 and 1 give weighted means the same way (a token count per s
 
 A row of weight 0 (padding, a user's mask) is selected out, never multiplied by zero:
 the backward pass would multiply its zero cotangent by its partial derivatives, and
-``0 * nan`` is ``nan`` (the "double where" problem). `weighted_grad` runs the loss on
-`live_rows`, where each such row is replaced by a row of non-zero weight, and selects
-out the gradient of a micro-batch that has none.
+``0 * nan`` is ``nan`` (the "double where" problem). Its inputs are replaced by a live
+row's (`live_source`) before any micro-step sees them, once per update on the host
+(only for a batch that has such a row: nothing is copied otherwise), and
+`weighted_grad` selects out the gradient of a micro-batch with no live row.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
@@ -48,7 +50,7 @@ __all__ = [
     "TrainState",
     "call_loss",
     "check_per_example",
-    "live_rows",
+    "live_source",
     "loss_takes_weights",
     "make_micro_step",
     "make_optimizer_step",
@@ -171,31 +173,32 @@ def check_per_example(name: str, value: Any, m: int) -> None:
         raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
 
 
-def live_rows(batch: Batch, weights: jax.Array) -> Batch:
-    """``batch`` with each row of weight 0 replaced by a row of non-zero weight (a live one).
+def live_source(weights: Any) -> Any:
+    """For each row, the row whose inputs the loss runs on: a live one (weight ``!= 0``).
 
-    Live rows keep their place; masked row ``j`` becomes live row number ``j mod n``
-    (``n`` live rows, in order). A loss then never runs on a masked row, whose loss may
-    be NaN or inf, yet sees as many rows: a micro-batch padded at its end by repeating
-    its real rows (`jax_adaptive.data.micro_batches`) is unchanged, BatchNorm statistics
-    included. With no live row the batch is left as it is: `weighted_grad` selects its
-    gradient out. Vectorised: a scan and a scatter of the ``m`` weights, a gather per leaf.
+    A live row is its own source; a row of weight 0 takes the nearest live row before
+    it, or the first live row when none is before it; with no live row at all, every
+    row is its own. Loss inputs gathered by it (``x[source]``) hold no masked row's
+    values, so a masked row's loss is a live row's, finite where that one is: in the
+    backward pass its zero cotangent then meets finite partial derivatives (``0 * nan``
+    is ``nan``). The rule depends on the weights alone, not on the micro-batches, so a
+    plan does not change what a loss sees; a padded micro-batch that repeats its real
+    rows (`jax_adaptive.data.micro_batches`) repeats live rows. On the host for NumPy
+    weights (`jax_adaptive.update.Updater` does it once per update, copying a batch
+    only when it has a row of weight 0), traced for jax ones (`micro_batch_grad`).
 
     Example:
-        >>> x = jnp.array([1.0, jnp.nan, 3.0, 4.0, jnp.inf])
-        >>> live_rows(x, jnp.array([1.0, 0.0, 2.0, 1.0, 0.0])).tolist()
-        [1.0, 3.0, 3.0, 4.0, 3.0]
+        >>> live_source(np.array([0.0, 1.0, 0.0, 2.5, 0.0])).tolist()
+        [1, 1, 1, 3, 3]
+        >>> live_source(jnp.array([1.0, 0.0, 1.0])).tolist()
+        [0, 0, 2]
     """
-    m = weights.shape[0]
+    xp, cummax = (np, np.maximum.accumulate) if isinstance(weights, np.ndarray) else (jnp, None)
     live = weights != 0
-    rows = jnp.arange(m, dtype=jnp.int32)
-    # The live rows' indices in order, by a scatter (an argsort of the weights costs
-    # more than the micro-batch's gather on a CPU).
-    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
-    order = jnp.zeros(m, jnp.int32).at[jnp.where(live, rank, m)].set(rows, mode="drop")
-    count = jnp.maximum(rank[-1] + 1, 1)
-    source = jnp.where(live, rows, order[rows % count])
-    return jax.tree.map(lambda x: x.at[source].get(mode="promise_in_bounds"), batch)
+    rows = xp.arange(weights.shape[0], dtype=np.int32)
+    marked = xp.where(live, rows, -1)
+    before = cummax(marked) if cummax is not None else jax.lax.cummax(marked)
+    return xp.where(before >= 0, before, xp.where(live.any(), xp.argmax(live), rows))
 
 
 def weighted_grad(
@@ -215,10 +218,10 @@ def weighted_grad(
     The one place that defines what a micro-batch contributes, for the trainer's
     micro-step and for `jax_adaptive.micro_batch_grad`. A row of weight 0 (padding, a
     user's mask) contributes exactly 0 to the sums and never reaches the gradient, even
-    where its loss is inf or NaN: the loss runs on `live_rows`, and a micro-batch with
-    no row of non-zero weight contributes a gradient of exactly 0 and leaves the model
-    state as it was (as padding leaves BatchNorm's running averages in
-    `jax_adaptive.ghost_batches`).
+    where its own loss would be inf or NaN: its inputs must be a live row's (the callers
+    gather them by `live_source`), and a micro-batch with no live row contributes a
+    gradient of exactly 0 and leaves the model state as it was (as padding leaves
+    BatchNorm's running averages in `jax_adaptive.ghost_batches`).
 
     Returns:
         The gradient, the weighted float32 sums of the loss and of each aux metric by
@@ -226,19 +229,19 @@ def weighted_grad(
 
     Example:
         >>> loss = lambda p, b, r: jnp.log(b) * p  # NaN at a negative row
+        >>> x, weights = jnp.array([2.0, -1.0]), jnp.array([1.0, 0.0])
         >>> grads, sums, _ = weighted_grad(
-        ...     loss, False, False, False, 1.0, (), jnp.array([1.0, -1.0]), None,
-        ...     jnp.array([1.0, 0.0]), 1.0,
+        ...     loss, False, False, False, 1.0, (), x[live_source(weights)], None, weights, 1.0
         ... )  # fmt: skip
-        >>> float(grads), float(sums["loss"])  # the NaN row has weight 0
-        (0.0, 0.0)
+        >>> round(float(grads), 4), round(float(sums["loss"]), 4)  # log 2: the NaN row is out
+        (0.6931, 0.6931)
     """
     m = weights.shape[0]
     live = weights != 0
 
     def objective(p: Params) -> tuple[jax.Array, Any]:
         losses, aux, new_state = call_loss(
-            loss_fn, has_aux, has_state, p, model_state, live_rows(batch, weights), key,
+            loss_fn, has_aux, has_state, p, model_state, batch, key,
             weights if takes_weights else None,
         )  # fmt: skip
         check_per_example("loss_fn's losses", losses, m)

@@ -86,3 +86,17 @@ def test_a_micro_batch_with_no_live_row_leaves_the_model_state():
     )
     assert int(out.model_state["calls"]) == math.ceil(T / 5) - 1  # rows 10-14: none
     assert_trees_close(out.grads, reference_grads(mlp_params(), batch, weights)[1], 1e-5)
+
+
+def test_an_update_whose_weights_are_all_0_applies_a_zero_gradient():
+    batch, _ = poisoned(0)  # rows 3 and 12 NaN, row 30 inf: no live row to stand in
+    weights = np.zeros(T, np.float32)
+    trainer = ja.AdaptiveTrainer(mlp_loss, OPTIMIZER, target_batch_size=T, micro_batch_size=5)
+    state, metrics = trainer.step(trainer.init(mlp_params(), batch), batch, weights=weights)
+    zero = jax.tree.map(jnp.zeros_like, mlp_params())
+    updates, _ = OPTIMIZER.update(zero, OPTIMIZER.init(mlp_params()), mlp_params())
+    assert_trees_close(state.params, optax.apply_updates(mlp_params(), updates), 1e-6)
+    assert float(metrics["loss"]) == 0.0
+    out = jax.jit(ja.micro_batch_grad(mlp_loss, 5))(mlp_params(), batch, weights=weights)
+    assert_trees_close(out.grads, zero, 0)
+    assert float(out.loss) == 0.0
