@@ -10,12 +10,11 @@ returns sums (per-example gradients clipped, moments, counts).
 The micro-batch size ``m`` is static and need not divide ``T``. The last micro-batch is
 padded with real rows and masked: it is the batch's last ``m`` rows, whose weights are
 0 on the rows an earlier micro-batch already counted, and slicing the batch in place
-copies no padded batch. A row of weight 0 given never reaches the gradient: the loss
+copies no padded batch. A row given a weight of 0 never reaches the gradient: the loss
 sees a live row's inputs in its place (`jax_adaptive.step.live_source`), so a masked
-NaN or infinity stays out. Unlike
-``optax.microbatch`` and Levanter's ``grad_accum`` (a size that must divide the batch),
-any size gives the exact gradient, so the size can be the largest that fits
-(`jax_adaptive.AdaptiveStep`).
+NaN or infinity stays out. Unlike ``optax.microbatch`` and Levanter's ``grad_accum`` (a
+size that must divide the batch), any size gives the exact gradient, so the size can
+be the largest that fits (`jax_adaptive.AdaptiveStep`).
 """
 
 from __future__ import annotations
