@@ -187,7 +187,7 @@ def live_source(weights: Any) -> Any:
     weights (`jax_adaptive.update.Updater` does it once per update, copying a batch
     only when it has a row of weight 0), traced for jax ones (`micro_batch_grad`).
 
-    Example:
+    Examples:
         >>> live_source(np.array([0.0, 1.0, 0.0, 2.5, 0.0])).tolist()
         [1, 1, 1, 3, 3]
         >>> live_source(jnp.array([1.0, 0.0, 1.0])).tolist()
@@ -227,7 +227,7 @@ def weighted_grad(
         The gradient, the weighted float32 sums of the loss and of each aux metric by
         name, and the new model state.
 
-    Example:
+    Examples:
         >>> loss = lambda p, b, r: jnp.log(b) * p  # NaN at a negative row
         >>> x, weights = jnp.array([2.0, -1.0]), jnp.array([1.0, 0.0])
         >>> grads, sums, _ = weighted_grad(
