@@ -159,7 +159,7 @@ class AdaptiveStep:
             "step at micro-batch",
             memory_limit=memory_limit,
             headroom=headroom,
-            device=device,
+            device=checks.check_device(device),
             plan_cache=PlanCache.from_arg(plan_cache),
             oom_retries=oom_retries,
         )

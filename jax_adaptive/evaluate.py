@@ -133,7 +133,7 @@ class Evaluator:
             "evaluation batch of",
             memory_limit=memory_limit,
             headroom=headroom,
-            device=device,
+            device=checks.check_device(device),
             plan_cache=PlanCache.from_arg(plan_cache),
             oom_retries=oom_retries,
         )

@@ -9,11 +9,12 @@ returns sums (per-example gradients clipped, moments, counts).
 
 The micro-batch size ``m`` is static and need not divide ``T``. The last micro-batch is
 padded with real rows and masked: it is the batch's last ``m`` rows, whose weights are
-0 on the rows an earlier micro-batch already counted. Padding with real rows, not zeros,
-keeps a loss finite on every row (a masked infinity still poisons the gradient with
-NaN), and slicing the batch in place copies no padded batch. Unlike ``optax.microbatch``
-and Levanter's ``grad_accum`` (a size that must divide the batch), any size gives the
-exact gradient, so the size can be the largest that fits (`jax_adaptive.AdaptiveStep`).
+0 on the rows an earlier micro-batch already counted, and slicing the batch in place
+copies no padded batch. A row given a weight of 0 never reaches the gradient: the loss
+sees a live row's inputs in its place (`jax_adaptive.step.live_source`), so a masked
+NaN or infinity stays out. Unlike ``optax.microbatch`` and Levanter's ``grad_accum`` (a
+size that must divide the batch), any size gives the exact gradient, so the size can
+be the largest that fits (`jax_adaptive.AdaptiveStep`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_adaptive import checks
 from jax_adaptive.data import leading_size
 from jax_adaptive.step import (
     Batch,
     Params,
     PerExampleLoss,
     call_loss,
+    live_source,
     loss_takes_weights,
-    weighted_sums,
+    weighted_grad,
 )
 
 __all__ = ["MicroBatchGrad", "micro_batch_grad", "micro_batch_sum"]
@@ -89,23 +92,27 @@ def _loop(
 
     Micro-batch ``i`` is the ``m`` rows from ``min(i * m, T - m)``; its weights are 0 on
     rows before ``i * m`` (counted by micro-batch ``i - 1``), so every row counts once.
+    Its rows are gathered by `jax_adaptive.step.live_source`: a row of weight 0 holds a
+    live row's inputs.
     """
     total = leading_size(batch)
     m = min(micro_batch_size, total)  # a size above T is the whole batch
     steps = math.ceil(total / m)
+    source = live_source(weights)
+
+    def gather(rows: jax.Array) -> Batch:
+        return jax.tree.map(lambda x: jnp.asarray(x).at[rows].get(mode="promise_in_bounds"), batch)
+
     if steps == 1:
-        return body(carry, batch, weights, jnp.int32(0))
+        return body(carry, gather(source), weights, jnp.int32(0))
     rows = jnp.arange(m, dtype=jnp.int32)
 
     def step(i: jax.Array, carry: Any) -> Any:
         first = i * m  # the first row not yet counted
         start = jnp.minimum(first, total - m)
-
-        def rows_of(x: jax.Array) -> jax.Array:
-            return lax.dynamic_slice_in_dim(x, start, m, axis=0)
-
-        micro_weights = jnp.where(start + rows >= first, rows_of(weights), 0.0)
-        return body(carry, jax.tree.map(rows_of, batch), micro_weights, start)
+        own = lax.dynamic_slice_in_dim(weights, start, m)  # each row's own weight
+        micro_weights = jnp.where(start + rows >= first, own, 0.0)
+        return body(carry, gather(lax.dynamic_slice_in_dim(source, start, m)), micro_weights, start)
 
     return lax.fori_loop(0, steps, step, carry)
 
@@ -181,7 +188,8 @@ def micro_batch_grad(
     as in every accumulation scheme: BatchNorm statistics are per micro-batch). A loss
     that declares a keyword ``weights`` gets each micro-batch's weights (0 on padding).
     Each micro-batch gets the key ``fold_in(rng, offset)`` (``offset`` its first row),
-    or None when ``rng`` is None.
+    or None when ``rng`` is None. An aux metric may not be named ``"loss"`` (it would
+    replace the loss): the first trace raises a ValueError, as the trainer does.
 
     Args:
         loss_fn: the per-example loss.
@@ -205,6 +213,7 @@ def micro_batch_grad(
     """
     m = _check_size(micro_batch_size)
     takes_weights = loss_takes_weights(loss_fn)
+    loss_fn = checks.refuse_aux_named_loss(loss_fn, has_aux, has_state)
 
     def grad_fn(
         params: Params,
@@ -221,14 +230,10 @@ def micro_batch_grad(
             grads, sums, state = carry
             key = None if rng is None else jax.random.fold_in(rng, offset)
 
-            def objective(p: Params) -> tuple[jax.Array, Any]:
-                loss_sum, new_sums, new_state = weighted_sums(
-                    loss_fn, has_aux, has_state, takes_weights, p, state, micro_batch, key,
-                    micro_weights,
-                )  # fmt: skip
-                return loss_sum / total, (new_sums, new_state)
-
-            micro_grads, (micro_sums, new_state) = jax.grad(objective, has_aux=True)(params)
+            micro_grads, micro_sums, new_state = weighted_grad(
+                loss_fn, has_aux, has_state, takes_weights, params, state, micro_batch, key,
+                micro_weights, total,
+            )  # fmt: skip
             grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, micro_grads)
             sums = {name: sums[name] + value for name, value in micro_sums.items()}
             return grads, sums, new_state

@@ -7,6 +7,7 @@ import jax
 import optax
 from flax import nnx
 
+from jax_adaptive.ghost import ghost_batches
 from jax_adaptive.models.adapters import nnx_classifier_loss
 from jax_adaptive.step import Batch, TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -31,7 +32,9 @@ class NnxTrainer:
             variables (pass ``has_aux`` to match); None: `nnx_classifier_loss` in
             training mode (``batch["image"]``, ``batch["label"]``).
         ghost_batch_size: BatchNorm over groups of this many examples
-            (`jax_adaptive.ghost_batches`); the trainer's ``multiple_of`` unless given.
+            (`jax_adaptive.ghost_batches`, around ``loss_fn`` too: a loss given runs on
+            one group at a time); the trainer's ``multiple_of`` unless given. Only for a
+            model with ``nnx.BatchStat`` variables.
         rng: the trainer's base key (Dropout and other randomness); ``key(0)`` if None.
         **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
             ``memory_limit``, ``has_aux``, ...).
@@ -73,6 +76,13 @@ class NnxTrainer:
                 ghost_batch_size=ghost_batch_size,
             )
             trainer_kwargs.setdefault("has_aux", True)
+        elif ghost_batch_size is not None:
+            if not self.has_state:
+                raise ValueError(
+                    f"{ghost_batch_size=} needs batch statistics to group, and the model has "
+                    "no nnx.BatchStat variables."
+                )
+            loss_fn = ghost_batches(loss_fn, ghost_batch_size)
         if ghost_batch_size is not None:
             trainer_kwargs.setdefault("multiple_of", ghost_batch_size)
         self.trainer = AdaptiveTrainer(

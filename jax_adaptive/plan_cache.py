@@ -11,14 +11,22 @@ file or an entry that makes no sense is ignored with a warning.
 The file is JSON, by default ``$XDG_CACHE_HOME/jax_adaptive/plans.json`` (else
 ``~/.cache/...``); the environment variable ``JAX_ADAPTIVE_PLAN_CACHE`` names another
 file, or turns the default cache off with ``off``.
+
+The cache may sit in a directory other users can write to: it never follows a symbolic
+link at its file or its lock (one there makes it warn that plans are not remembered, as
+an unwritable file does), and it writes through a temporary file created exclusively
+under a name no one can predict.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import secrets
+import stat
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +42,41 @@ _WARNED: set[str] = set()  # the files this process has warned of
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+def _flaw(entry: dict[str, Any], target_batch_size: int) -> tuple[str, str] | None:
+    """What makes a cached plan unusable (``("stale", why)``, ``("malformed", why)``), or None.
+
+    The sizing engine reads ``micro_batch_size`` and ``estimated_bytes`` (into a
+    `jax_adaptive.SizeTrial`): they must be what it would have stored itself.
+    """
+    size, estimate = entry.get("micro_batch_size"), entry.get("estimated_bytes")
+    if not (_is_count(size) and 1 <= size <= target_batch_size):
+        return "stale", f"micro_batch_size={size!r} is not in [1, {target_batch_size}]"
+    if estimate is not None and not (_is_count(estimate) and estimate >= 0):
+        return "malformed", f"estimated_bytes={estimate!r} is not an int >= 0 nor null"
+    return None
+
+
+class _Link(OSError):
+    """The cache's file or lock is a symbolic link: it is never read or written through."""
+
+
+def _open(path: Path, flags: int) -> int:
+    """``os.open`` that never follows a symbolic link at ``path`` (`_Link` if one is there).
+
+    New files get mode ``0o666`` less the umask, as any new file does.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and path.is_symlink():
+            raise _Link(f"{path.name} is a symbolic link, which the cache never follows") from exc
+        raise
 
 
 def plan_key(**parts: Any) -> str:
@@ -100,30 +143,49 @@ class PlanCache:
             warnings.warn(f"ignoring the plan cache {self.path}: {problem}.", stacklevel=4)
 
     def _read(self) -> dict[str, Any]:
-        if self.path.is_dir():
-            self._warn("it is a directory, so the plans found are not remembered")
-            return {}
-        if not self.path.exists():
-            return {}
+        """The file's entries; {} (with a warning) when it is unreadable.
+
+        Raises:
+            _Link: the file is a symbolic link (the caller warns: nothing is remembered).
+        """
         try:
-            entries = json.loads(self.path.read_text())
-            if not isinstance(entries, dict):
-                raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
-            return entries
-        except (OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
+            fd = _open(self.path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except _Link:
+            raise
+        except OSError as exc:
             self._warn(f"it is unreadable ({_first_line(exc)}); plans are searched afresh")
             return {}
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._warn("it is a directory, so the plans found are not remembered")
+            return {}
+        with os.fdopen(fd) as f:
+            try:
+                entries = json.loads(f.read())
+                if not isinstance(entries, dict):
+                    raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
+                return entries
+            except (OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
+                self._warn(f"it is unreadable ({_first_line(exc)}); plans are searched afresh")
+                return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The plan stored under ``key``, or None."""
-        entry = self._read().get(key)
+        try:
+            entry = self._read().get(key)
+        except _Link as exc:
+            self._warn(f"{exc}, so plans are not remembered")
+            return None
         return entry if isinstance(entry, dict) else None
 
     def plan(self, key: str, target_batch_size: int) -> dict[str, Any] | None:
         """The plan under ``key`` if its ``micro_batch_size`` makes sense, else None.
 
         A size that is not an int in ``[1, target_batch_size]`` (a stale or hand-edited
-        entry) is ignored with a warning.
+        entry), or an ``estimated_bytes`` that is neither an int ``>= 0`` nor null (a
+        malformed one), is ignored with a warning.
 
         Examples:
             >>> import tempfile, pathlib
@@ -131,21 +193,20 @@ class PlanCache:
             >>> cache.put("k", {"micro_batch_size": 438})
             >>> cache.plan("k", target_batch_size=4096)["micro_batch_size"]
             438
+            >>> cache.put("k", {"micro_batch_size": 438, "estimated_bytes": "lots"})
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     warnings.simplefilter("always")
+            ...     print(cache.plan("k", target_batch_size=4096))
+            None
+            >>> print(caught[0].message)  # doctest: +ELLIPSIS
+            ignoring a malformed plan in ...: estimated_bytes='lots' is not an int >= 0 nor null
         """
         entry = self.get(key)
         if entry is None:
             return None
-        size = entry.get("micro_batch_size")
-        if (
-            isinstance(size, bool)
-            or not isinstance(size, int)
-            or not 1 <= size <= target_batch_size
-        ):
-            warnings.warn(
-                f"ignoring a stale plan in {self.path}: micro_batch_size={size!r} "
-                f"is not in [1, {target_batch_size}]",
-                stacklevel=5,
-            )
+        flaw = _flaw(entry, target_batch_size)
+        if flaw is not None:
+            warnings.warn(f"ignoring a {flaw[0]} plan in {self.path}: {flaw[1]}", stacklevel=5)
             return None
         return entry
 
@@ -154,7 +215,9 @@ class PlanCache:
 
         Writers in several processes lose nothing: each holds an exclusive lock on a
         sidecar file (``<file>.lock``) while it reads, merges and atomically replaces the
-        file (a crash never leaves half a file; its temporary file is removed).
+        file (a crash never leaves half a file; its temporary file is removed). The
+        temporary file is created exclusively under an unpredictable name, and a
+        symbolic link at the file or the lock is never followed (it warns instead).
 
         Examples:
             >>> import tempfile, pathlib
@@ -167,17 +230,23 @@ class PlanCache:
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            lock = _open(self.path.with_name(self.path.name + ".lock"), os.O_WRONLY | os.O_CREAT)
+            with os.fdopen(lock, "w"):
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 entries = self._read()
                 entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                # O_CREAT with 0o666: the umask decides the mode, as for any new file.
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                # O_EXCL under a name no one can guess: nothing planted there is written
+                # through, as with tempfile.mkstemp; unlike it, the umask decides the mode
+                # (0o666 less the umask, as for any new file), so others may share the cache.
+                name = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
+                fd = _open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                tmp = name  # ours now: removed if what follows fails
                 with os.fdopen(fd, "w") as f:
                     json.dump(entries, f, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
                 tmp = None
+        except _Link as exc:
+            self._warn(f"{exc}, so plans are not remembered")
         except OSError as exc:
             self._warn(f"it cannot be written ({_first_line(exc)}), so plans are not remembered")
         finally:

@@ -23,6 +23,13 @@ no collective, into a per-device accumulator that the optimizer step sums once.
 The sum of per-example gradients divided by ``T`` is the full-batch mean gradient
 whatever the micro-batch sizes (padding is masked), so the update is exact. Per-example
 weights other than 0 and 1 give weighted means the same way (a token count per sequence).
+
+A row of weight 0 (padding, a user's mask) is selected out, never multiplied by zero:
+the backward pass would multiply its zero cotangent by its partial derivatives, and
+``0 * nan`` is ``nan`` (the "double where" problem). Its inputs are replaced by a live
+row's (`live_source`) before any micro-step sees them, once per update on the host
+(only for a batch that has such a row: nothing is copied otherwise), and
+`weighted_grad` selects out the gradient of a micro-batch with no live row.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
@@ -42,12 +50,13 @@ __all__ = [
     "TrainState",
     "call_loss",
     "check_per_example",
+    "live_source",
     "loss_takes_weights",
     "make_micro_step",
     "make_optimizer_step",
     "multi_steps",
     "per_device",
-    "weighted_sums",
+    "weighted_grad",
     "with_optimizer_step",
 ]
 
@@ -164,7 +173,35 @@ def check_per_example(name: str, value: Any, m: int) -> None:
         raise TypeError(f"{name} must be floating point, got dtype {value.dtype}.")
 
 
-def weighted_sums(
+def live_source(weights: Any) -> Any:
+    """For each row, the row whose inputs the loss runs on: a live one (weight ``!= 0``).
+
+    A live row is its own source; a row of weight 0 takes the nearest live row before
+    it, or the first live row when none is before it; with no live row at all, every
+    row is its own. Loss inputs gathered by it (``x[source]``) hold no masked row's
+    values, so a masked row's loss is a live row's, finite where that one is: in the
+    backward pass its zero cotangent then meets finite partial derivatives (``0 * nan``
+    is ``nan``). The rule depends on the weights alone, not on the micro-batches, so a
+    plan does not change what a loss sees; a padded micro-batch that repeats its real
+    rows (`jax_adaptive.data.micro_batches`) repeats live rows. On the host for NumPy
+    weights (`jax_adaptive.update.Updater` does it once per update, copying a batch
+    only when it has a row of weight 0), traced for jax ones (`micro_batch_grad`).
+
+    Examples:
+        >>> live_source(np.array([0.0, 1.0, 0.0, 2.5, 0.0])).tolist()
+        [1, 1, 1, 3, 3]
+        >>> live_source(jnp.array([1.0, 0.0, 1.0])).tolist()
+        [0, 0, 2]
+    """
+    xp, cummax = (np, np.maximum.accumulate) if isinstance(weights, np.ndarray) else (jnp, None)
+    live = weights != 0
+    rows = xp.arange(weights.shape[0], dtype=np.int32)
+    marked = xp.where(live, rows, -1)
+    before = cummax(marked) if cummax is not None else jax.lax.cummax(marked)
+    return xp.where(before >= 0, before, xp.where(live.any(), xp.argmax(live), rows))
+
+
+def weighted_grad(
     loss_fn: PerExampleLoss,
     has_aux: bool,
     has_state: bool,
@@ -174,49 +211,73 @@ def weighted_sums(
     batch: Batch,
     key: Any,
     weights: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array], Any]:
-    """Calls the per-example loss on one micro-batch and sums it with ``weights``.
+    divisor: Any,
+) -> tuple[Params, dict[str, jax.Array], Any]:
+    """The gradient of ``sum(weights * losses) / divisor`` on one micro-batch, and its sums.
 
     The one place that defines what a micro-batch contributes, for the trainer's
-    micro-step and for `jax_adaptive.micro_batch_grad`: a row of weight 0 (padding)
-    contributes exactly 0, even where its loss is inf or NaN.
+    micro-step and for `jax_adaptive.micro_batch_grad`. A row of weight 0 (padding, a
+    user's mask) contributes exactly 0 to the sums and never reaches the gradient, even
+    where its own loss would be inf or NaN: its inputs must be a live row's (the callers
+    gather them by `live_source`), and a micro-batch with no live row contributes a
+    gradient of exactly 0 and leaves the model state as it was (as padding leaves
+    BatchNorm's running averages in `jax_adaptive.ghost_batches`).
 
     Returns:
-        ``sum(weights * losses)`` (what the gradient is taken of), the weighted float32
-        sums of the loss and of each aux metric by name, and the new model state.
+        The gradient, the weighted float32 sums of the loss and of each aux metric by
+        name, and the new model state.
 
     Examples:
-        >>> loss = lambda p, b, r: (b - p) ** 2
-        >>> total, sums, _ = weighted_sums(
-        ...     loss, False, False, False, 1.0, (), jnp.array([0.0, jnp.nan]), None,
-        ...     jnp.array([1.0, 0.0]),
+        >>> loss = lambda p, b, r: jnp.log(b) * p  # NaN at a negative row
+        >>> x, weights = jnp.array([2.0, -1.0]), jnp.array([1.0, 0.0])
+        >>> grads, sums, _ = weighted_grad(
+        ...     loss, False, False, False, 1.0, (), x[live_source(weights)], None, weights, 1.0
         ... )  # fmt: skip
-        >>> float(total), float(sums["loss"])  # the NaN row has weight 0
-        (1.0, 1.0)
+        >>> round(float(grads), 4), round(float(sums["loss"]), 4)  # log 2: the NaN row is out
+        (0.6931, 0.6931)
     """
     m = weights.shape[0]
-    losses, aux, new_state = call_loss(
-        loss_fn, has_aux, has_state, params, model_state, batch, key,
-        weights if takes_weights else None,
-    )  # fmt: skip
-    check_per_example("loss_fn's losses", losses, m)
-    for name, value in aux.items():
-        check_per_example(f"aux[{name!r}]", value, m)
-    # where, not a product alone: a padding row's inf or NaN must not leak.
-    weighted = {
-        name: jnp.where(weights != 0, weights * v, 0) for name, v in {"loss": losses, **aux}.items()
-    }
-    sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
-    return jnp.sum(weighted["loss"]), sums, new_state
+    live = weights != 0
+
+    def objective(p: Params) -> tuple[jax.Array, Any]:
+        losses, aux, new_state = call_loss(
+            loss_fn, has_aux, has_state, p, model_state, batch, key,
+            weights if takes_weights else None,
+        )  # fmt: skip
+        check_per_example("loss_fn's losses", losses, m)
+        for name, value in aux.items():
+            check_per_example(f"aux[{name!r}]", value, m)
+        # where, not a product alone: with no live row, the loss ran on masked rows.
+        weighted = {n: jnp.where(live, weights * v, 0) for n, v in {"loss": losses, **aux}.items()}
+        sums = {name: jnp.sum(v.astype(jnp.float32)) for name, v in weighted.items()}
+        total = jnp.sum(weighted["loss"])
+        return total / jnp.asarray(divisor).astype(total.dtype), (sums, new_state)
+
+    grads, (sums, new_state) = jax.grad(objective, has_aux=True)(params)
+    # A select, not a product, for the same reason.
+    any_live = jnp.any(live)
+    grads = jax.tree.map(lambda g: jnp.where(any_live, g, jnp.zeros_like(g)), grads)
+    if has_state:
+        new_state = jax.tree.map(
+            lambda new, old: jnp.where(any_live, new, old).astype(jnp.result_type(new)),
+            new_state,
+            model_state,
+        )
+    return grads, sums, new_state
 
 
-def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
-    """``total / T``: ``T`` the runtime ``target`` or else the built-in ``target_batch_size``."""
+def _target(target_batch_size: int | None, target: Any) -> Any:
+    """``T``: the runtime ``target`` or else the built-in ``target_batch_size``."""
     if target is None:
         if target_batch_size is None:
             raise TypeError("the step needs target=T (it was made without target_batch_size).")
         target = target_batch_size
-    return total / jnp.asarray(target).astype(total.dtype)
+    return target
+
+
+def _scale(total: Any, target_batch_size: int | None, target: Any) -> Any:
+    """``total / T`` (`_target`), in ``total``'s dtype."""
+    return total / jnp.asarray(_target(target_batch_size, target)).astype(total.dtype)
 
 
 def make_micro_step(
@@ -266,13 +327,10 @@ def make_micro_step(
         with jax.named_scope(f"micro_batch_{m}"):
             key = jax.random.fold_in(jax.random.fold_in(rng, opt_state.gradient_step), offset)
 
-            def objective(p):
-                loss_sum, sums, new_state = weighted_sums(
-                    loss_fn, has_aux, has_state, takes_weights, p, model_state, batch, key, weights
-                )
-                return _scale(loss_sum, target_batch_size, target), (sums, new_state)
-
-            grads, (sums, new_model_state) = jax.grad(objective, has_aux=True)(params)
+            grads, sums, new_model_state = weighted_grad(
+                loss_fn, has_aux, has_state, takes_weights, params, model_state, batch, key,
+                weights, _target(target_batch_size, target),
+            )  # fmt: skip
             _, new_opt = multi_steps(optimizer, k).update(
                 grads, opt_state._replace(acc_grads=acc_grads), params
             )

@@ -7,7 +7,9 @@ in any micro-step (real, or simulated by the capacity) leaves the parameters, th
 optimizer state and the model state alive (the micro-step donates only the
 accumulator), so the planner shrinks the size and the update goes on from the last
 micro-step that survived, or starts again: nothing is lost and no example is counted
-twice.
+twice. A row of weight 0 holds a live row's inputs before any micro-batch is cut
+(`jax_adaptive.step.live_source`): it never reaches the gradient, even where its own
+loss would be NaN.
 
 What every update passes the same (the totals' zeros, the offsets, ``k`` and ``T``)
 lives on the device, made once: a host argument is a transfer in every call.
@@ -54,7 +56,7 @@ from jax_adaptive.errors import (
 from jax_adaptive.executables import MicroArgs, zeros
 from jax_adaptive.memory import tree_bytes
 from jax_adaptive.planner import Planner
-from jax_adaptive.step import Batch, TrainState
+from jax_adaptive.step import Batch, TrainState, live_source
 
 __all__ = ["Updater"]
 
@@ -106,6 +108,21 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _live_inputs(batch: Batch, weights: np.ndarray) -> Batch:
+    """``batch`` with each row of weight 0 holding a live row's inputs (`live_source`).
+
+    A row of weight 0 must not reach the gradient, and its own inputs could give a NaN
+    loss whose zero cotangent still makes NaN partials. Done once per update, before
+    the micro-batches are cut (their padding then repeats live rows); a batch with no
+    row of weight 0, or none of another weight, is passed as it is, copied never.
+    """
+    live = weights != 0
+    if live.all() or not live.any():
+        return batch
+    source = live_source(weights)
+    return jax.tree.map(lambda x: x[source], batch)
+
+
 def _release(tree: Any) -> None:
     """Frees the device buffers of ``tree``'s arrays now, as donating them would."""
     for leaf in jax.tree.leaves(tree):
@@ -149,6 +166,7 @@ class Updater:
         """
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
+        batch = _live_inputs(batch, weights)
         progress = self._fresh(state)
         failed = False
         while True:

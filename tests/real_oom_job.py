@@ -1,11 +1,12 @@
 """Trains under a real address-space limit, where XLA:CPU raises real out-of-memory errors.
 
 Run as a script in a subprocess (the limit cannot be lifted once set):
-``python real_oom_job.py MARGIN_MB UPDATES OUT.npz``. DESIGN.md: the limit is the process's
-address space after JAX has started plus a margin; YNNPACK is turned off so a failed
-allocation reads as "Out of memory". The model is elementwise (no matmul): its only
-memory is XLA's own buffers, so a size either fails cleanly or runs, with no library
-scratch allocation that could abort the process in between.
+``python real_oom_job.py MARGIN_MB UPDATES OUT.npz [trainer|step]``: the trainer, or a
+user's own jitted step (`micro_batch_grad` inside) under `AdaptiveStep`. DESIGN.md: the
+limit is the process's address space after JAX has started plus a margin; YNNPACK is
+turned off so a failed allocation reads as "Out of memory". The model is elementwise (no
+matmul): its only memory is XLA's own buffers, so a size either fails cleanly or runs,
+with no library scratch allocation that could abort the process in between.
 """
 
 import os
@@ -14,6 +15,7 @@ if __name__ == "__main__":  # before JAX starts; never when a test imports this 
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
     os.environ["JAX_PLATFORMS"] = "cpu"
 
+import functools
 import gc
 import json
 import resource
@@ -73,5 +75,42 @@ def main(margin_mb: int, updates: int, out: str) -> None:
     )
 
 
+def main_step(margin_mb: int, updates: int, out: str) -> None:
+    import jax
+    import optax
+
+    import jax_adaptive as ja
+
+    params, batches, optimizer = make_problem()
+
+    def build(m):
+        @functools.partial(jax.jit, donate_argnums=0)
+        def train_step(state, batch):
+            params, opt_state = state
+            grads = ja.micro_batch_grad(loss_fn, m)(params, batch).grads
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return train_step
+
+    step = ja.AdaptiveStep(build, plan_cache=False)
+    state = (params, optimizer.init(params))
+    planned = step.plan(state, batches[0]).micro_batch_size  # a CPU gives no capacity: T
+    gc.collect()
+    # Python's collector runs when allocation counts say, not when memory is short: off,
+    # what a failed attempt held is freed when the library releases it, and only then.
+    gc.disable()
+    resource.setrlimit(resource.RLIMIT_AS, (vmsize() + margin_mb * 2**20, resource.RLIM_INFINITY))
+    sizes = []
+    for update in range(updates):
+        state = step(state, batches[update % DISTINCT])
+        sizes.append(step.micro_batch_size)
+        print(f"call {update} ran at {sizes[-1]}", file=sys.stderr, flush=True)
+    np.savez(out, **{k: np.asarray(v) for k, v in state[0].items()})
+    log = [[t.size, t.fits, t.decided_by, t.reason] for t in step.search_log]
+    print("RESULT " + json.dumps({"planned": planned, "sizes": sizes, "log": log}), flush=True)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    run = main_step if sys.argv[4:] == ["step"] else main
+    run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

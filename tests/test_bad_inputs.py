@@ -51,6 +51,10 @@ def step_with(batch=None, **step_kwargs):
     return t.step(state, batch_of() if batch is None else batch, **step_kwargs)
 
 
+def own_step(**kwargs):
+    return ja.AdaptiveStep(lambda m: None, **{"plan_cache": False, **kwargs})
+
+
 def bucketed(**kwargs):
     kwargs = {"buckets": (8, 16), "target_tokens": 64, "plan_cache": False, **kwargs}
     return ja.BucketedTrainer(lambda p, b, r: jnp.sum(b["x"] * p, axis=1), optax.sgd(0.1),
@@ -91,6 +95,16 @@ LIBRARY = {
     "objective='fastest'": (lambda: trainer(objective="fastest"), "objective"),
     "loss_fn=None": (lambda: trainer(loss_fn=None), "loss_fn"),
     "optimizer='adam'": (lambda: trainer(optimizer="adam"), "optimizer"),
+    # AdaptiveStep's and Evaluator's, through the same checks
+    "AdaptiveStep memory_limit=True": (lambda: own_step(memory_limit=True), "memory_limit"),
+    "AdaptiveStep memory_limit=1.5": (lambda: own_step(memory_limit=1.5), "memory_limit"),
+    "AdaptiveStep memory_limit='8GB'": (lambda: own_step(memory_limit="8GB"), "memory_limit"),
+    "AdaptiveStep oom_retries=-1": (lambda: own_step(oom_retries=-1), "oom_retries=-1"),
+    "AdaptiveStep oom_retries='3'": (lambda: own_step(oom_retries="3"), "oom_retries"),
+    "AdaptiveStep headroom='x'": (lambda: own_step(headroom="x"), "headroom"),
+    "AdaptiveStep device='cpu'": (lambda: own_step(device="cpu"), "device"),
+    "AdaptiveStep batch_argnum='1'": (lambda: own_step(batch_argnum="1"), "batch_argnum"),
+    "Evaluator device=0": (lambda: ja.Evaluator(lambda p, b: b, device=0), "device"),
     # the bucketed trainer's
     "buckets='16'": (lambda: bucketed(buckets="16"), "buckets"),
     "buckets=16": (lambda: bucketed(buckets=16), "buckets"),

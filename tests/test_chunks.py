@@ -340,16 +340,20 @@ def test_a_chunk_much_slower_than_its_micro_steps_one_by_one_is_not_taken():
         )  # fmt: skip
 
     ratio = _seconds(whole, args(T, T // m + 1)) / (T // m * _seconds(one, args(m, 2)))
-    assert not SLOWER_CHUNK / 2 < ratio < SLOWER_CHUNK * 2  # no coin toss at the threshold
     for batch in batches:
         state, metrics = trainer.step(state, batch)
-    assert trainer.plan_info.chunk == (1 if ratio > SLOWER_CHUNK else T // m)
     assert trainer.plan_info.fused and metrics["accumulation_steps"] == T // m
     mean_loss = lambda p, b, rng: loss(p, b, rng)[0]  # noqa: E731
     reference = full_batch_reference(
         mean_loss, optax.adam(1e-3), params, batches, rng=jax.random.key(0)
     )  # no dropout: any key
     assert_trees_close(state.params, reference, 2e-5)
+    if SLOWER_CHUNK / 2 < ratio < SLOWER_CHUNK * 2:  # a coin toss: neither plan is wrong
+        pytest.skip(
+            f"the chunk took {ratio:.2f} times its micro-steps one by one on this machine, "
+            f"too near SLOWER_CHUNK={SLOWER_CHUNK} for a timing to say which plan is right"
+        )
+    assert trainer.plan_info.chunk == (1 if ratio > SLOWER_CHUNK else T // m)
 
 
 @pytest.fixture(scope="module")

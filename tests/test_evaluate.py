@@ -245,6 +245,24 @@ def test_bad_outputs_and_datasets_are_one_line_errors(params, data):
         evaluator(max_batch_size=0)
 
 
+@pytest.mark.parametrize("most", [N, 7])
+def test_integer_metrics_are_summed_exactly_in_64_bits(params, data, most):
+    """An int32 sum of 40 values of 2**30 wraps (to 0); a uint32 one of 3e9 too."""
+
+    def counts(params, batch):
+        n = batch["y"].shape[0]
+        return {
+            "big": jnp.full(n, 2**30, jnp.int32),
+            "unsigned": jnp.full(n, 3_000_000_000, jnp.uint32),
+            "negative": jnp.full(n, -(2**30), jnp.int32),
+        }
+
+    ev = ja.Evaluator(counts, max_batch_size=most, plan_cache=False)
+    metrics = ev.evaluate(params, data)
+    assert metrics["examples"] == N
+    assert (metrics["big"], metrics["unsigned"], metrics["negative"]) == (2**30, 3e9, -(2**30))
+
+
 def test_the_plan_cache_keeps_its_own_key(tmp_path, params, data, ledgers):
     path = tmp_path / "plans.json"
     limit = ledgers[23].total
@@ -263,13 +281,43 @@ def test_the_plan_cache_keeps_its_own_key(tmp_path, params, data, ledgers):
     assert len(json.loads(path.read_text())) == 2  # training's plan and evaluation's
 
 
-def test_progress_bar_is_off_by_default_and_cheap_when_on(params, data, capsys):
-    evaluator(max_batch_size=8).evaluate(params, data)
-    assert capsys.readouterr().err == ""
-    assert_same_metrics(
-        evaluator(max_batch_size=8, progress=True).evaluate(params, data), params, data
-    )
-    assert "example" in capsys.readouterr().err
+class _Runs:
+    """A fault hook that faults nothing: it counts the compiles and the runs."""
+
+    def __init__(self):
+        self.compiles, self.runs = 0, 0
+
+    def before_compile(self, size):
+        self.compiles += 1
+
+    def before_execution(self, size, args):
+        self.runs += 1
+
+
+def test_progress_bar_is_off_by_default_and_cheap_when_on(params, data, capsys, monkeypatch):
+    """Cheap: the bar adds no compile and no device run, and one host update per batch."""
+    import tqdm.auto
+
+    updates = []
+
+    class CountingBar(tqdm.auto.tqdm):
+        def update(self, n=1):
+            updates.append(n)
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", CountingBar)
+    cost = {}
+    for progress in (False, True):
+        ev = evaluator(max_batch_size=8, progress=progress)
+        ev.fault_hook = hook = _Runs()
+        updates.clear()
+        assert_same_metrics(ev.evaluate(params, data), params, data)
+        cost[progress] = (hook.compiles, hook.runs, list(updates))
+        shown = capsys.readouterr().err
+        assert ("example" in shown) if progress else shown == ""
+    assert cost[True] == cost[False]
+    _, runs, bar_updates = cost[True]
+    assert runs == -(-N // 8) and bar_updates == [8] * runs  # one update per batch of 8
 
 
 def test_evaluating_between_updates_leaves_training_exact(params, data):

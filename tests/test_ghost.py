@@ -163,6 +163,41 @@ def test_nnx_module_trains_in_place_the_same_at_any_micro_batch_size(micro):
     assert_trees_close(nnx.state(model, nnx.BatchStat), stats, 1e-5)
 
 
+def custom_nnx_loss(model):
+    """A loss of the user's own, not the library's: logits of the module in training mode."""
+    graphdef = nnx.graphdef(model)
+
+    def loss_fn(params, stats, batch, rng):
+        module = nnx.merge(graphdef, params, stats, copy=True)
+        module.train()
+        logits = module(batch["image"])
+        return cross_entropy(logits, batch["label"]), nnx.state(module, nnx.BatchStat)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("micro", [8, 32])
+def test_a_custom_nnx_loss_gets_the_ghost_batches_too(micro):
+    model, batches = NnxBnNet(rngs=nnx.Rngs(0)), vector_batches(3)
+    params, stats = nnx_reference(nnx.clone(model), batches)
+    trainer = NnxTrainer(
+        model, SGD, target_batch_size=T, loss_fn=custom_nnx_loss(model), ghost_batch_size=G,
+        micro_batch_size=micro,
+    )  # fmt: skip
+    for batch in batches:
+        trainer.step(batch)
+    assert trainer.trainer.micro_batch_size == micro
+    assert_trees_close(nnx.state(model, nnx.Param), params, 1e-5)
+    assert_trees_close(nnx.state(model, nnx.BatchStat), stats, 1e-5)
+
+
+def test_ghost_batches_for_a_model_without_batch_statistics_are_refused():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"ghost_batch_size=8 needs batch statistics"):
+        NnxTrainer(model, SGD, target_batch_size=T, loss_fn=lambda p, b, r: b["x"],
+                   ghost_batch_size=8)  # fmt: skip
+
+
 def train_nnx(batches, **kwargs):
     model = NnxBnNet(rngs=nnx.Rngs(0))
     trainer = NnxTrainer(model, SGD, target_batch_size=T, **kwargs)

@@ -160,3 +160,20 @@ def test_errors_show_the_values():
         ja.micro_batch_grad(_loss, 4, has_aux=True)(params, batch, weights=np.ones(5))
     with pytest.raises(ValueError, match="per-example"):
         ja.micro_batch_grad(lambda p, b, r: _loss(p, b, r)[0].mean(), 4)(params, batch)
+
+
+@pytest.mark.parametrize("has_state", [False, True])
+def test_an_aux_metric_named_loss_is_refused_as_the_trainer_does(has_state):
+    params, batch = _problem()
+
+    def loss(p, b, r):  # an aux "loss" of 7 would replace the loss of about 1
+        losses, _ = _loss(p, b, r)
+        return losses, {"loss": jnp.full_like(losses, 7.0)}
+
+    def stateful(p, state, b, r):
+        return loss(p, b, r), state
+
+    grad_fn = ja.micro_batch_grad(stateful if has_state else loss, 5, has_aux=True,
+                                  has_state=has_state)  # fmt: skip
+    with pytest.raises(ValueError, match="aux has a metric named 'loss'"):
+        jax.jit(grad_fn)(params, batch)

@@ -127,7 +127,7 @@ class _DeletingOOM:
     """A failed run, as XLA leaves it: the donated state deleted, then the OOM error."""
 
     def __init__(self, executions):
-        self.executions, self.seen = executions, 0
+        self.executions, self.seen, self.fired = executions, 0, []
 
     def before_compile(self, size):
         pass
@@ -135,6 +135,7 @@ class _DeletingOOM:
     def before_execution(self, size, args):
         self.seen += 1
         if self.seen in self.executions:
+            self.fired.append((self.seen, size))
             for leaf in jax.tree.leaves(args[0]):
                 leaf.delete()
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
@@ -164,9 +165,15 @@ def test_every_call_backup_recovers_a_trusted_size(brute_force):
     step = ja.AdaptiveStep(
         _build, memory_limit=brute_force[8], host_backup="every_call", plan_cache=False
     )
-    step.fault_hook = _DeletingOOM(executions={2})
+    step.fault_hook = fault = _DeletingOOM(executions={2})
     state, _ = step(_state(), _batch(0))
+    size, copies = step.micro_batch_size, step.host_bytes
     state, _ = step(state, _batch(1))
+    # the second call's run of the trusted size failed, its donated state deleted, and
+    # the copy made before it put the state back for the retry at a smaller size, which
+    # was copied before it ran too: a copy per run
+    assert fault.fired == [(2, size)] and fault.seen == 3
+    assert step.micro_batch_size < size and step.host_bytes == 3 * copies
     _close(state[0], _reference([_batch(0), _batch(1)]))
 
 

@@ -100,6 +100,23 @@ def test_a_stale_entry_is_ignored_or_corrected_by_the_guarded_first_run(tmp_path
         assert_trees_close(state.params, reference, 1e-5)
 
 
+def test_an_entry_of_a_wrong_type_is_ignored_with_a_warning(tmp_path, estimates):
+    path = tmp_path / "plans.json"
+    limit = estimates[20]
+    run(path, limit, steps=1)
+    (key,) = json.loads(path.read_text())
+    for wrong in ("lots", [1, 2], {"bytes": 3}, -1, True):
+        ja.PlanCache(path).put(key, {"micro_batch_size": 30, "estimated_bytes": wrong})
+        with pytest.warns(UserWarning, match=r"malformed plan .*estimated_bytes="):
+            trainer, state, compiles = run(path, limit)
+        assert compiles >= 1 and "plan cache" not in {t.decided_by for t in trainer.search_log}
+        assert trainer.micro_batch_size == 20
+        reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches_of(2, T))
+        assert_trees_close(state.params, reference, 1e-5)
+    ja.PlanCache(path).put(key, {"micro_batch_size": 20, "estimated_bytes": None})
+    assert run(path, limit, steps=1)[0].search_log[0].decided_by == "plan cache"  # null is fine
+
+
 def test_off_means_off(tmp_path, monkeypatch):
     assert ja.PlanCache.from_arg(False) is None
     assert ja.PlanCache.from_arg(None) is None  # conftest: JAX_ADAPTIVE_PLAN_CACHE=off
@@ -196,3 +213,33 @@ def test_concurrent_writers_lose_nothing_and_leave_a_normal_file(tmp_path):
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
     assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "plans.json", "plans.json.lock"]
+
+
+def test_a_symlink_planted_beside_the_cache_is_never_written_through(tmp_path):
+    """A shared cache directory: another user's links must not redirect our writes."""
+    path, victim = tmp_path / "plans.json", tmp_path / "victim"
+    victim.write_text("precious")
+    for guess in range(os.getpid() - 50, os.getpid() + 50):
+        (tmp_path / f".plans.json.{guess}.tmp").symlink_to(victim)  # the old, guessable names
+    ja.PlanCache(path).put("k", {"micro_batch_size": 4})
+    assert victim.read_text() == "precious"
+    assert not path.is_symlink() and json.loads(path.read_text())["k"]["micro_batch_size"] == 4
+    assert ja.PlanCache(path).get("k")["micro_batch_size"] == 4
+
+
+@pytest.mark.parametrize("link", ["plans.json", "plans.json.lock"])
+def test_a_cache_or_lock_that_is_a_symlink_is_refused_with_one_warning(tmp_path, link):
+    path, victim = tmp_path / "plans.json", tmp_path / "elsewhere"
+    (tmp_path / link).symlink_to(victim)  # dangling: following it would create the target
+    cache = ja.PlanCache(path)
+    with pytest.warns(UserWarning, match=f"{link} is a symbolic link") as record:
+        cache.put("k", {"micro_batch_size": 4})
+        assert cache.get("k") is None
+    assert len(_plan_cache_warnings(record)) == 1
+    assert not victim.exists()  # nothing created or written through the link
+    assert (tmp_path / link).is_symlink()  # nor the link replaced
+    victim.write_text(json.dumps({"k": {"micro_batch_size": 4}}))  # a target with plans
+    ja.PlanCache(path).put("other", {"micro_batch_size": 8})  # (warned once per file)
+    assert ja.PlanCache(path).plan("k", 32) is None  # not read through either
+    assert json.loads(victim.read_text()) == {"k": {"micro_batch_size": 4}}
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

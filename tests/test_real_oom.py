@@ -41,10 +41,8 @@ def reference(updates):
     return params
 
 
-# 12 updates at the tighter margin, where unbounded dispatch never settled; 2 at a wider.
-@pytest.mark.parametrize(("margin_mb", "updates"), [(150, 12), (250, 2)])
-def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, updates):
-    out = tmp_path / "params.npz"
+def run_job(out, margin_mb, updates, what="trainer"):
+    """real_oom_job.py's report, under a limit of the process's address space + margin."""
     # The limit counts address space, not memory in use: each malloc arena a new thread
     # opens reserves 64 MiB, and glibc's moving mmap threshold keeps freed blocks mapped
     # (VmSize after an update varied by 120 MiB from one update to the next). Two arenas
@@ -55,7 +53,7 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "MALLOC_TRIM_THRESHOLD_": "0",
     }
-    command = [sys.executable, str(SCRIPT), str(margin_mb), str(updates), str(out)]
+    command = [sys.executable, str(SCRIPT), str(margin_mb), str(updates), str(out), what]
     for _ in range(2):
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         # Where the address space runs out inside XLA:CPU's own C++ (an operator new, LLVM
@@ -67,6 +65,14 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     report = json.loads(line.removeprefix("RESULT "))
     assert report["planned"] == job.T
+    return report
+
+
+# 12 updates at the tighter margin, where unbounded dispatch never settled; 2 at a wider.
+@pytest.mark.parametrize(("margin_mb", "updates"), [(150, 12), (250, 2)])
+def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, updates):
+    out = tmp_path / "params.npz"
+    report = run_job(out, margin_mb, updates)
     sizes = report["sizes"]
     assert len(sizes) == updates and all(1 <= s < job.T for s in sizes), sizes
     # It settles: with the micro-steps in flight bounded, a size that ran once runs again
@@ -78,3 +84,23 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
     assert real_ooms and real_ooms[0][:1] == [job.T], "the planned size must fail for real"
     with np.load(out) as params:
         assert_trees_close(dict(params), reference(updates), 1e-5)
+
+
+def test_adaptive_step_keeps_calling_after_real_ooms_and_stays_exact(tmp_path):
+    """A user's step: each failed attempt's arrays are released before the next (issue 32).
+
+    The whole batch (256 MiB, on the device for the call) does not fit 320 MB above the
+    process; the first call shrinks to a size that runs. The failed attempts hold their
+    arrays in reference cycles, and the job turns Python's own collector off, so only
+    what the library releases is released: before it collected after each failure, the
+    previous call's batch was still alive at the next call, four out-of-memory errors
+    at size 1 ended in NothingFitsError (59f2e33, 4 runs of 4).
+    """
+    out = tmp_path / "params.npz"
+    report = run_job(out, 320, 4, "step")
+    sizes = report["sizes"]
+    assert len(sizes) == 4 and all(1 <= s < job.T for s in sizes), sizes
+    real_ooms = [entry for entry in report["log"] if entry[2] == "run" and not entry[1]]
+    assert real_ooms and real_ooms[0][:1] == [job.T], "the planned size must fail for real"
+    with np.load(out) as params:
+        assert_trees_close(dict(params), reference(4), 1e-5)
