@@ -202,19 +202,26 @@ def others_bytes(device: jax.Device | None, own: int) -> int:
     return 0 if in_use is None else max(0, in_use - own)
 
 
-def learned_capacity(peak: int, headroom: float, first: bool, known: int | None = None) -> int:
+def learned_capacity(
+    peak: int, headroom: float, first: bool, known: int | None = None, floor: int = 0
+) -> int:
     """The capacity a real out-of-memory at a ledger of ``peak`` bytes teaches.
 
-    ``headroom`` below the peak after the first failure in a row, half the peak after a
-    further one; never above ``known``, a capacity learned before.
+    ``headroom`` below the peak after the first failure in a row; after a further one,
+    halfway between ``floor`` (what no size goes below: the resident bytes and the
+    smallest inputs) and the peak; never above ``known``, a capacity learned before.
 
     Examples:
         >>> learned_capacity(1000, 0.1, first=True)
         900
-        >>> learned_capacity(1000, 0.1, first=False, known=600)
-        500
+        >>> learned_capacity(1000, 0.1, first=False, known=800, floor=400)
+        700
     """
-    cap = min(int(peak * (1.0 - headroom)), peak - 1) if first else peak // 2
+    if first:
+        cap = min(int(peak * (1.0 - headroom)), peak - 1)
+    else:
+        floor = min(floor, peak)
+        cap = floor + (peak - floor) // 2
     return cap if known is None else min(cap, known)
 
 

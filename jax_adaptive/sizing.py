@@ -352,20 +352,23 @@ class Binding:
         """Records that ``size`` ran out of memory; returns whether it was real.
 
         A real one teaches a capacity below the peak: less ``headroom`` the first time
-        since `start`, half of it after (`jax_adaptive.memory.learned_capacity`).
+        since `start`, halfway down to the resident bytes after
+        (`jax_adaptive.memory.learned_capacity`).
         """
         real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
         peak = self.peak(size)
-        self.engine.record(size, False, peak, 0.0, "run" if real else "estimate", reason)
+        self.engine.record(
+            size, False, self._ledgers.get(size), 0.0, "run" if real else "estimate", reason
+        )
         log.warning(
             "%s %d ran out of memory (%s)", self.engine.what, size, "real" if real else "simulated"
         )
         self._streak += 1
-        gc.collect()  # what the failed attempt held only through reference cycles goes now
         if real and peak is not None:
             self._real_ooms += 1
+            floor = self.sized.resident + self.sized.inputs(1)  # below every size's ledger
             self.learned_cap = learned_capacity(
-                peak, self.engine.headroom, self._real_ooms == 1, self.learned_cap
+                peak, self.engine.headroom, self._real_ooms == 1, self.learned_cap, floor
             )
         return real
 
@@ -389,6 +392,9 @@ class Binding:
         except NothingFitsError:
             if not real or self._streak > self.engine.oom_retries:
                 raise
+            # Before the same size again: what failed attempts held only through reference
+            # cycles (a batch's device copy) goes now, not at some later collection.
+            gc.collect()
             self.largest = least
             return least
 

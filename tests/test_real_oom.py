@@ -6,7 +6,6 @@ that runs, and the training must still equal the full-batch reference, computed 
 outside the limit.
 """
 
-import itertools
 import json
 import os
 import pathlib
@@ -75,11 +74,11 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
     report = run_job(out, margin_mb, updates)
     sizes = report["sizes"]
     assert len(sizes) == updates and all(1 <= s < job.T for s in sizes), sizes
-    # It settles: with the micro-steps in flight bounded, a size that ran once runs again
-    # (unbounded dispatch shrank it at every update: 60, 56, 53, 50, ..., 11 changes in
-    # 12). An address space is a noisy device: allow a late step down, not a ratchet.
-    changes = sum(a != b for a, b in itertools.pairwise(sizes))
-    assert changes <= 3, sizes
+    # It settles at once: the size the first update ran at runs every later update (issue
+    # 32). What used to move it (103, 86, 74, 74, 74, 64: glibc reserving address space
+    # for new arenas and keeping freed blocks mapped) is kept out by the job's environment;
+    # 10 runs of 12 updates here kept 64 throughout.
+    assert len(set(sizes)) == 1, sizes
     real_ooms = [entry for entry in report["log"] if entry[2] == "run" and not entry[1]]
     assert real_ooms and real_ooms[0][:1] == [job.T], "the planned size must fail for real"
     with np.load(out) as params:

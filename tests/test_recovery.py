@@ -244,7 +244,11 @@ def test_repeated_real_ooms_in_one_update_halve_the_learned_capacity():
     failed = [t for t in trainer.search_log if t.decided_by == "run"]
     assert failed[0].size == T and len(failed) == 2
     size = metrics["micro_batch_size"]
-    cap = failed[1].estimated_bytes // 2
+    # Halfway between the peak that failed and what no size goes below: the train state
+    # (and totals) resident and one example's inputs (its rows, its weight, 3 int32s).
+    one_example = sum(x[:1].nbytes for x in jax.tree.leaves(batches[0])) + 4 + 3 * 4
+    floor = failed[1].state_bytes + one_example
+    cap = floor + (failed[1].estimated_bytes - floor) // 2
     assert _estimate(trainer, size) <= cap < _estimate(trainer, size + 1)
 
 
