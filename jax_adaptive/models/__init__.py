@@ -1,8 +1,4 @@
-"""A small Flax model zoo and the adapters that turn a model into a per-example loss.
-
-``ResNetTiny`` and ``ViTMicro`` are sized for CPU tests and benchmarks; ``ResNet18``,
-``ResNet50``, ``ViTTiny`` and the default ``GPT`` (GPT-2 small) are the standard sizes.
-"""
+"""A small Flax model zoo (the tiny ones sized for CPU tests) and its adapters (docs/flax.md)."""
 
 from jax_adaptive.models.adapters import (
     gpt_token_loss,
@@ -18,21 +14,7 @@ from jax_adaptive.models.transformer import Transformer, TransformerBlock
 from jax_adaptive.models.vit import ViT, ViTMicro, ViTTiny
 
 __all__ = [
-    "CNN",
-    "GPT",
-    "MLP",
-    "ResNet",
-    "ResNet18",
-    "ResNet50",
-    "ResNetBlock",
-    "ResNetTiny",
-    "Transformer",
-    "TransformerBlock",
-    "ViT",
-    "ViTMicro",
-    "ViTTiny",
-    "gpt_token_loss",
-    "linen_classifier_loss",
-    "nnx_classifier_loss",
-    "train_kwargs",
-]
+    "CNN", "GPT", "MLP", "ResNet", "ResNet18", "ResNet50", "ResNetBlock", "ResNetTiny",
+    "Transformer", "TransformerBlock", "ViT", "ViTMicro", "ViTTiny", "gpt_token_loss",
+    "linen_classifier_loss", "nnx_classifier_loss", "train_kwargs",
+]  # fmt: skip

@@ -1,8 +1,6 @@
 """Adapters: a Flax model (linen or NNX) into the per-example loss `AdaptiveTrainer` takes.
 
-They take models as Flax's own examples write them (linen BatchNorm with a ``pmap``
-``axis_name``, NNX Dropout that takes ``rngs`` at call time, a train/eval switch). The
-guides: docs/flax.md, and docs/batchnorm.md for ghost batches.
+They take models as Flax's examples write them. Guides: docs/flax.md, docs/batchnorm.md.
 """
 
 import inspect
@@ -26,57 +24,45 @@ def _classifier_losses(logits, labels, loss: Loss | None):
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     else:
         losses = loss(logits, labels)
-    accuracy = (logits.argmax(-1) == labels).astype(logits.dtype)
-    return losses, {"accuracy": accuracy}
+    return losses, {"accuracy": (logits.argmax(-1) == labels).astype(logits.dtype)}
 
 
 def train_kwargs(model: nn.Module, train: bool) -> dict[str, bool]:
     """``{"train": train}`` for a linen module whose ``__call__`` takes ``train``, else ``{}``.
 
-    The Flax examples' models differ: some take a ``train`` switch, the MNIST CNN none.
-
     Examples:
         >>> from jax_adaptive.models import MLP
-        >>> train_kwargs(MLP(features=(8,), num_classes=3), False)
-        {'train': False}
-        >>> train_kwargs(nn.Dense(3), True)
-        {}
+        >>> train_kwargs(MLP(features=(8,), num_classes=3), False), train_kwargs(nn.Dense(3), True)
+        ({'train': False}, {})
     """
     return {"train": train} if _takes(type(model).__call__, "train") else {}
 
 
 def _takes(call: Callable[..., Any], name: str) -> bool:
-    """Whether ``call`` has a parameter named ``name`` (none without a signature)."""
     try:
         return name in inspect.signature(call).parameters
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # no signature: takes none
         return False
 
 
-def _with_ghost_batches(loss_fn, ghost_batch_size, stateful: bool, train: bool):
-    if ghost_batch_size is None:
-        return loss_fn
-    if not (stateful and train):
+def _loss(apply, stateful: bool, ghost_batch_size: int | None, train: bool):
+    """``apply(params, model_state, batch, rng) -> (out, model_state)`` as the trainer's loss.
+
+    Stateful: ``apply`` itself (over ghost batches when given); else
+    ``(params, batch, rng) -> out``.
+    """
+    if ghost_batch_size is not None and not (stateful and train):
         raise ValueError(
             f"{ghost_batch_size=} needs batch statistics to group: name them in mutable "
             f"and train with train=True (got {train=})."
         )
-    return ghost_batches(loss_fn, ghost_batch_size)
+    if stateful:
+        return apply if ghost_batch_size is None else ghost_batches(apply, ghost_batch_size)
 
+    def loss_fn(params, batch, rng):
+        return apply(params, {}, batch, rng)[0]
 
-def _bind_axis(call: Callable[[Any], Any], axis_name: str | None) -> Callable[[Any], Any]:
-    """``call`` under a size-1 ``vmap`` that binds ``axis_name``, as ``pmap`` would.
-
-    A collective over that axis (BatchNorm's mean) then reduces over this micro-batch.
-    """
-    if axis_name is None:
-        return call
-
-    def bound(x):
-        out = jax.vmap(call, axis_name=axis_name)(jax.tree.map(lambda a: a[None], x))
-        return jax.tree.map(lambda a: a[0], out)
-
-    return bound
+    return loss_fn
 
 
 def linen_classifier_loss(
@@ -93,33 +79,23 @@ def linen_classifier_loss(
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a linen classifier, with accuracy as aux.
 
-    The model is called as ``model.apply({"params": params, **model_state}, x,
-    train=train, rngs={"dropout": rng}, mutable=mutable, **call_kwargs)``, without
-    ``train`` when its ``__call__`` has none. Use the loss with ``has_aux=True``, and
-    with ``has_state=True`` when ``mutable`` names collections.
+    How the model is called, and each option at length: docs/flax.md.
 
     Args:
-        model: a linen module returning logits.
+        model: a linen module returning logits (called with ``train`` if it takes it).
         mutable: the collections training updates, e.g. ``("batch_stats",)``.
-        train: training mode (batch statistics and Dropout, which depend on the
-            micro-batch) or evaluation mode (frozen BatchNorm, Dropout off: the update
-            exact for any micro-batch, the model state returned unchanged).
-        axis_name: the axis a model written for ``pmap`` reduces BatchNorm over (the
-            Flax ImageNet example's ``"batch"``), bound over the micro-batch (or ghost
-            batch) by a size-1 ``vmap``, so the model runs unchanged.
-        ghost_batch_size: BatchNorm over groups of this many examples
-            (`jax_adaptive.ghost_batches`): train with it as ``multiple_of`` and a
-            target batch that is a multiple of it.
+        train: training mode, or evaluation mode (frozen BatchNorm, Dropout off).
+        axis_name: the ``pmap`` axis a model reduces BatchNorm over, bound over the
+            micro-batch (or ghost batch) by a size-1 ``vmap``.
+        ghost_batch_size: BatchNorm over groups of this many examples (docs/batchnorm.md).
         call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
-        loss: ``loss(logits, labels) -> losses``, one per example, instead of the
-            softmax cross-entropy (label smoothing, say); accuracy stays the aux.
+        loss: ``loss(logits, labels) -> losses`` instead of the softmax cross-entropy.
 
     Returns:
         ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
-        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)`` (with
-        ghost batches, also taking the trainer's ``weights`` keyword).
+        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)``.
 
     Raises:
         ValueError: for ``ghost_batch_size`` without ``mutable`` or with ``train=False``.
@@ -138,29 +114,22 @@ def linen_classifier_loss(
 
     def apply(params, model_state, batch, rng):
         def call(x):
-            return model.apply(
-                {"params": params, **model_state},
-                x,
-                rngs={"dropout": rng},
-                mutable=list(mutable) if updates else False,
-                **kwargs,
-            )
+            variables = {"params": params, **model_state}
+            mutates = list(mutable) if updates else False
+            return model.apply(variables, x, rngs={"dropout": rng}, mutable=mutates, **kwargs)
 
-        out = _bind_axis(call, axis_name)(batch[image_key])
+        if axis_name is None:
+            out = call(batch[image_key])
+        else:  # bound as pmap would: BatchNorm's mean reduces over this micro-batch
+            x = jax.tree.map(lambda a: a[None], batch[image_key])
+            out = jax.tree.map(lambda a: a[0], jax.vmap(call, axis_name=axis_name)(x))
         if not updates:
             return _classifier_losses(out, batch[label_key], loss), model_state
         logits, changed = out
         # every collection the state came with, so that its structure never changes
         return _classifier_losses(logits, batch[label_key], loss), {**model_state, **changed}
 
-    if mutable:
-        return _with_ghost_batches(apply, ghost_batch_size, True, train)
-    _with_ghost_batches(None, ghost_batch_size, False, train)  # raises when given
-
-    def loss_fn(params, batch, rng):
-        return apply(params, {}, batch, rng)[0]
-
-    return loss_fn
+    return _loss(apply, bool(mutable), ghost_batch_size, train)
 
 
 def gpt_token_loss(
@@ -168,22 +137,17 @@ def gpt_token_loss(
 ) -> Callable[..., Any]:
     """Per-example next-token cross-entropy of a causal language model such as `GPT`.
 
-    Example ``i``'s loss is the sum over ``t < L - 1`` of ``mask[i, t + 1]`` times the
-    cross-entropy of the logits at ``t`` against ``tokens[i, t + 1]``: a prediction
-    counts when the token it predicts is valid, so pad at the end of a sequence. The
-    trainer then minimises the summed token loss per sequence. For the mean per token,
-    divide by the ``n`` valid targets every sequence has (``lambda p, b, r: loss_fn(p, b,
-    r) / n``) or, with padding of varying length, train through
-    `jax_adaptive.BucketedTrainer` with ``count_tokens=lambda b: b["mask"][:, 1:].sum(1)``.
-
-    The model is called as ``model.apply({"params": params}, tokens, train=True,
-    rngs={"dropout": rng})`` and must return logits ``[m, L, vocab]``.
+    Example ``i``'s loss sums, over ``t < L - 1`` where ``mask[i, t + 1]`` (pad at the
+    end), the cross-entropy of the logits at ``t`` against ``tokens[i, t + 1]``. For a
+    mean per token, train through `jax_adaptive.BucketedTrainer` with
+    ``count_tokens=lambda b: b["mask"][:, 1:].sum(1)`` (docs/buckets.md). The model is
+    called as ``model.apply({"params": params}, tokens, train=True, rngs={"dropout":
+    rng})`` and returns logits ``[m, L, vocab]``.
 
     Args:
         model: a linen causal language model.
         tokens_key: the batch's key of int tokens ``[m, L]``.
-        mask_key: the batch's optional key of each token's validity (or weight), bool
-            or float ``[m, L]``.
+        mask_key: the batch's optional key of each token's validity (or weight) ``[m, L]``.
 
     Returns:
         ``(params, batch, rng) -> losses`` of shape ``[m]``, for ``has_aux=False``.
@@ -193,8 +157,8 @@ def gpt_token_loss(
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)
         >>> tokens = jnp.ones((3, 6), jnp.int32)
         >>> params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-        >>> loss_fn = gpt_token_loss(model)
-        >>> jax.eval_shape(loss_fn, params, {"tokens": tokens}, jax.random.key(1)).shape
+        >>> jax.eval_shape(gpt_token_loss(model), params, {"tokens": tokens},
+        ...                jax.random.key(1)).shape
         (3,)
     """
 
@@ -222,29 +186,24 @@ def nnx_classifier_loss(
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a Flax NNX classifier, with accuracy as aux.
 
-    The trainer's parameters are ``nnx.state(model, nnx.Param)``, its model state
-    ``nnx.state(model, mutable)`` (with ``has_state=True``); `NnxTrainer` makes this
-    split and puts the trained values back (``nnx.update``). The loss runs a copy of the
-    model taken now, in ``train()`` or ``eval()`` mode: ``model`` is not changed, and
-    its variables other than the parameters and ``mutable`` are constants of the loss.
-    Randomness follows the trainer's ``rng``: the copy's RNG streams are reseeded from
-    it at each call, and a ``__call__`` that takes ``rngs`` (Dropout at call time, as
-    in the NNX MNIST tutorial) gets ``nnx.Rngs(rng)``.
+    Its parameters are ``nnx.state(model, nnx.Param)``, its model state
+    ``nnx.state(model, mutable)`` (docs/flax.md; `NnxTrainer` does the split). It runs a
+    copy of the model taken now, in ``train()`` or ``eval()`` mode, whose other
+    variables are constants; its RNG streams are reseeded from the trainer's ``rng`` at
+    each call, and a ``__call__`` that takes ``rngs`` gets ``nnx.Rngs(rng)``.
 
     Args:
         model: an NNX module mapping a batch of inputs to logits.
-        mutable: a filter of the variables training updates, e.g. ``nnx.BatchStat``;
-            required when the model trains BatchNorm statistics.
+        mutable: a filter of the variables training updates (``nnx.BatchStat``).
         train: training mode, or evaluation mode (frozen BatchNorm, Dropout off).
         ghost_batch_size: as in `linen_classifier_loss`.
-        call_kwargs: as in `linen_classifier_loss`.
-        image_key: as in `linen_classifier_loss`.
-        label_key: as in `linen_classifier_loss`.
-        loss: as in `linen_classifier_loss`.
+        call_kwargs: as there.
+        image_key: as there.
+        label_key: as there.
+        loss: as there.
 
     Returns:
-        ``(params, batch, rng) -> (losses, {"accuracy": ...})``, or with ``mutable``
-        ``(params, model_state, batch, rng) -> ((losses, aux), model_state)``.
+        As `linen_classifier_loss`'s.
 
     Raises:
         ValueError: when the model trains BatchNorm statistics and ``mutable`` is None,
@@ -264,35 +223,22 @@ def nnx_classifier_loss(
             "mutable=nnx.BatchStat and use the trainer with has_state=True."
         )
     copy = nnx.clone(model)  # a snapshot: later changes to ``model`` do not leak in
-    if train:
-        copy.train()
-    else:
-        copy.eval()
+    (copy.train if train else copy.eval)()
     filters = (nnx.Param, ...) if mutable is None else (nnx.Param, mutable, ...)
     graphdef, *_, rest = nnx.split(copy, *filters)
     kwargs = dict(call_kwargs or {})
     call_rngs = _takes(model.__call__, "rngs") and "rngs" not in kwargs
 
-    def run(params, model_state, batch, rng):
-        module = nnx.merge(graphdef, params, *model_state, rest, copy=True)
+    def apply(params, model_state, batch, rng):
+        states = (params, rest) if mutable is None else (params, model_state, rest)
+        module = nnx.merge(graphdef, *states, copy=True)
         tags = sorted(
             {s.key.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
         )
         nnx.reseed(module, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(tags)})
         extra = {"rngs": nnx.Rngs(rng)} if call_rngs else {}
         logits = module(batch[image_key], **kwargs, **extra)
-        return _classifier_losses(logits, batch[label_key], loss), module
+        out = _classifier_losses(logits, batch[label_key], loss)
+        return out, model_state if mutable is None else nnx.state(module, mutable)
 
-    if mutable is not None:
-
-        def stateful_loss_fn(params, model_state, batch, rng):
-            out, module = run(params, (model_state,), batch, rng)
-            return out, nnx.state(module, mutable)
-
-        return _with_ghost_batches(stateful_loss_fn, ghost_batch_size, True, train)
-    _with_ghost_batches(None, ghost_batch_size, False, train)  # raises when given
-
-    def loss_fn(params, batch, rng):
-        return run(params, (), batch, rng)[0]
-
-    return loss_fn
+    return _loss(apply, mutable is not None, ghost_batch_size, train)

@@ -12,10 +12,9 @@ from jax_adaptive.models.transformer import Transformer
 class GPT(nn.Module):
     """A GPT: token and learned position embeddings, causal pre-norm blocks, logits.
 
-    The defaults are GPT-2 small (124 M parameters with tied embeddings: the output
-    layer is the token embedding's transpose). Causal: pad at the end of a sequence.
-    Parameters and logits are float32, ``dtype`` is the compute dtype. Pair it with
-    `gpt_token_loss`.
+    The defaults are GPT-2 small (124 M parameters, the output layer the token
+    embedding's transpose). Pad at the end of a sequence; pair it with `gpt_token_loss`.
+    Parameters and logits are float32, ``dtype`` the compute dtype.
 
     Examples:
         >>> model = GPT(vocab_size=11, max_len=8, width=8, depth=1, heads=2)

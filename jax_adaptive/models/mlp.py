@@ -10,10 +10,9 @@ class MLP(nn.Module):
     """Dense layers with ReLU and optional dropout, ending in ``num_classes`` logits.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
+        >>> import jax.numpy as jnp
         >>> model = MLP(features=(16,), num_classes=3)
-        >>> params = model.init(jax.random.key(0), jnp.zeros((2, 4)))
-        >>> model.apply(params, jnp.zeros((2, 4))).shape
+        >>> jax.eval_shape(model.init_with_output, jax.random.key(0), jnp.zeros((2, 4)))[0].shape
         (2, 3)
     """
 

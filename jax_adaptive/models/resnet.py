@@ -52,12 +52,11 @@ class ResNetBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """A ResNet classifier; the defaults are ResNet-18 for ImageNet.
+    """A ResNet classifier of images ``[m, H, W, C]``; the defaults are ResNet-18 for ImageNet.
 
-    The stem and the strided stages reduce the side by 32 (to 1x1 for inputs of 32 or
-    less; any size works). Parameters and logits are float32, ``dtype`` is the compute
-    dtype. With ``train``, BatchNorm uses batch statistics: apply with
-    ``mutable=["batch_stats"]`` (`linen_classifier_loss`, ghost batches included).
+    The side shrinks by 32 (any size works). Parameters and logits are float32,
+    ``dtype`` the compute dtype. With ``train``, BatchNorm uses batch statistics: apply
+    with ``mutable=["batch_stats"]`` (`linen_classifier_loss`).
 
     Examples:
         >>> model = ResNet(stage_sizes=(1, 1), num_filters=4, num_classes=3)
@@ -75,7 +74,7 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Returns the float32 logits of a batch of images ``[batch, height, width, c]``."""
+        """Returns the float32 logits of a batch of images."""
         if self.block not in ("basic", "bottleneck"):
             raise ValueError(f"{self.block=} must be 'basic' or 'bottleneck'.")
         x = _conv(self.num_filters, 7, 2, self.dtype, padding=[(3, 3)] * 2, name="stem_conv")(x)
@@ -84,12 +83,9 @@ class ResNet(nn.Module):
         for i, size in enumerate(self.stage_sizes):
             for j in range(size):
                 x = ResNetBlock(
-                    self.num_filters * 2**i,
-                    strides=2 if i > 0 and j == 0 else 1,
-                    bottleneck=self.block == "bottleneck",
-                    dtype=self.dtype,
-                    name=f"stage{i}_block{j}",
-                )(x, train)
+                    self.num_filters * 2**i, 2 if i > 0 and j == 0 else 1,
+                    self.block == "bottleneck", self.dtype, name=f"stage{i}_block{j}",
+                )(x, train)  # fmt: skip
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -110,8 +106,7 @@ class ResNet50(ResNet):
     """ResNet-50: bottleneck blocks, stages (3, 4, 6, 3), about 25.6 M parameters.
 
     Examples:
-        >>> model = ResNet50()
-        >>> model.stage_sizes, model.block
+        >>> ResNet50().stage_sizes, ResNet50().block
         ((3, 4, 6, 3), 'bottleneck')
     """
 
@@ -123,9 +118,8 @@ class ResNetTiny(ResNet):
     """A ResNet small enough for CPU tests and benchmarks: one basic block a stage, 8 filters.
 
     Examples:
-        >>> model = ResNetTiny()
         >>> images = jnp.zeros((2, 16, 16, 3))
-        >>> jax.eval_shape(model.init_with_output, jax.random.key(0), images)[0].shape
+        >>> jax.eval_shape(ResNetTiny().init_with_output, jax.random.key(0), images)[0].shape
         (2, 10)
     """
 

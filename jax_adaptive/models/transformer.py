@@ -30,11 +30,9 @@ class TransformerBlock(nn.Module):
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         y = nn.LayerNorm(dtype=self.dtype)(x)
         y = nn.MultiHeadDotProductAttention(
-            num_heads=self.heads,
-            dtype=self.dtype,
-            dropout_rate=self.dropout_rate,
+            num_heads=self.heads, dtype=self.dtype, dropout_rate=self.dropout_rate,
             force_fp32_for_softmax=True,
-        )(y, mask=mask, deterministic=not train)
+        )(y, mask=mask, deterministic=not train)  # fmt: skip
         x = x + dropout(y)
         y = nn.LayerNorm(dtype=self.dtype)(x)
         y = nn.gelu(nn.Dense(self.mlp_dim, dtype=self.dtype)(y))
@@ -63,12 +61,10 @@ class Transformer(nn.Module):
         self, x: jax.Array, mask: jax.Array | None = None, train: bool = False
     ) -> jax.Array:
         """Maps ``[batch, length, width]`` to the same shape; ``train`` turns dropout on."""
+        mlp_dim = self.mlp_ratio * x.shape[-1]
         for i in range(self.depth):
-            x = TransformerBlock(
-                self.heads,
-                self.mlp_ratio * x.shape[-1],
-                self.dropout_rate,
-                self.dtype,
-                name=f"block{i}",
-            )(x, mask, train)
+            block = TransformerBlock(
+                self.heads, mlp_dim, self.dropout_rate, self.dtype, name=f"block{i}"
+            )
+            x = block(x, mask, train)
         return nn.LayerNorm(dtype=self.dtype)(x)

@@ -12,10 +12,9 @@ from jax_adaptive.models.transformer import Transformer
 class ViT(nn.Module):
     """A ViT classifier; the defaults are ViT-B/16.
 
-    Patches embedded by a strided convolution, a learned position embedding (its length
-    fixed by the image size at init), a pre-norm `Transformer`, and a head on a class
-    token (``pool="cls"``) or the patches' mean (``"mean"``). Parameters and logits are
-    float32, ``dtype`` is the compute dtype.
+    Strided-convolution patches, a learned position embedding (its length fixed at
+    init), a pre-norm `Transformer`, a head on a class token (``pool="cls"``) or the
+    patches' mean (``"mean"``). Parameters and logits float32, ``dtype`` the compute's.
 
     Examples:
         >>> model = ViT(patch_size=4, width=8, depth=1, heads=2, num_classes=3)
@@ -59,8 +58,7 @@ class ViTTiny(ViT):
     """ViT-Ti/16 (DeiT-Tiny): width 192, depth 12, 3 heads, about 5.7 M parameters.
 
     Examples:
-        >>> model = ViTTiny()
-        >>> model.patch_size, model.width, model.depth, model.heads
+        >>> ViTTiny().patch_size, ViTTiny().width, ViTTiny().depth, ViTTiny().heads
         (16, 192, 12, 3)
     """
 
@@ -74,9 +72,8 @@ class ViTMicro(ViT):
     """A ViT small enough for CPU tests: patches of 4 (16 on a 16x16 image), width 32.
 
     Examples:
-        >>> model = ViTMicro()
         >>> images = jnp.zeros((2, 16, 16, 3))
-        >>> jax.eval_shape(model.init_with_output, jax.random.key(0), images)[0].shape
+        >>> jax.eval_shape(ViTMicro().init_with_output, jax.random.key(0), images)[0].shape
         (2, 10)
     """
 
