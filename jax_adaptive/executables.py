@@ -17,7 +17,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Container, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,8 @@ from jax_adaptive.data import example_structs
 from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
 from jax_adaptive.sizing import Executable, Sized, Sizing, compile_measured
 from jax_adaptive.step import (
+    DONATED,
+    MicroArgs,
     PerExampleLoss,
     TrainState,
     call_loss,
@@ -41,26 +43,6 @@ from jax_adaptive.step import (
 )
 
 __all__ = ["DONATED", "Executables", "MicroArgs"]
-
-
-class MicroArgs(NamedTuple):
-    """The micro-step's arguments, by name (see `jax_adaptive.step.make_micro_step`)."""
-
-    params: Any
-    opt_state: Any  # the MultiStepsState with acc_grads=None
-    acc_grads: Any
-    model_state: Any
-    totals: Any
-    batch: Any
-    weights: Any
-    rng: Any
-    offset: Any
-    k: Any
-    target: Any = None  # the update's target batch size T: a runtime int32
-
-
-DONATED = ("acc_grads",)
-"""The micro-step's donated arguments: a failed run may delete these, never the state."""
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jax_adaptive.executables import DONATED, MicroArgs
+from jax_adaptive.step import DONATED, MicroArgs
 
 __all__ = ["FaultInjector", "inject_oom"]
 

@@ -53,10 +53,10 @@ from jax_adaptive.errors import (
     catch_oom,
     is_oom,
 )
-from jax_adaptive.executables import MicroArgs, zeros
+from jax_adaptive.executables import zeros
 from jax_adaptive.memory import tree_bytes
 from jax_adaptive.planner import Planner
-from jax_adaptive.step import Batch, TrainState, live_source
+from jax_adaptive.step import Batch, MicroArgs, TrainState, live_source
 
 __all__ = ["Updater"]
 
