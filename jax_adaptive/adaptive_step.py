@@ -1,31 +1,8 @@
 """AdaptiveStep: your own jitted training step, at the largest micro-batch that fits.
 
-For researchers who keep their loop: you write ``build_step(micro_batch_size)``, which
-returns your jitted ``train_step(state, batch)`` for that size (typically with
-`jax_adaptive.micro_batch_grad` inside, so the whole target batch is one exact update
-whatever the size), and `AdaptiveStep` does the rest with the trainer's rules:
-
-* **the plan**: it compiles your step ahead of time for candidate sizes
-  (``jax.ShapeDtypeStruct``s of your state and batch, nothing allocated) and keeps the
-  largest whose `jax_adaptive.Ledger` fits the capacity, through
-  `jax_adaptive.search_max_size` guided by a `jax_adaptive.memory.MemoryModel`, remembered in
-  the plan cache. The ledger counts everything live while the step runs: the arguments
-  whole (JAX prunes the ones a program does not read, yet they stay resident), the
-  step's new outputs (those not aliased to a donated argument), its temporaries and
-  code. ``memory_limit`` is a device of that many bytes: a size over it raises
-  `jax_adaptive.SimulatedOutOfMemory`, as a real device would raise its own error.
-* **the guarded call**: ``step(state, batch)`` runs the compiled step and waits for
-  it. An out-of-memory (real, or the simulated capacity) re-plans below the size that
-  failed and runs the same batch again; any other error propagates as itself. A step
-  that donates its state (``donate_argnums``) would lose it in a failed run (XLA
-  deletes a failed call's donated inputs): the first run of each size keeps a host
-  copy of the donated arguments and puts it back after a failure, so nothing is lost.
-  A size that ran once is trusted (no copy); set ``host_backup="every_call"`` for a
-  copy before every call.
-
-It keeps one plan per shape of arguments: a loop that alternates between shapes (an
-epoch's last partial batch, two batch sizes interleaved) compiles each shape's step
-once, as a plain ``jax.jit`` step would.
+Guide: docs/own-loop.md. A client of the sizing engine (`jax_adaptive.sizing.Sizing`)
+with one binding per shape of arguments, so a loop alternating between shapes compiles
+each shape's step once, as a plain ``jax.jit`` step would.
 """
 
 from __future__ import annotations
@@ -34,6 +11,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Hashable
+from operator import attrgetter
 from typing import Any, Literal
 
 import jax
@@ -43,9 +21,9 @@ from jax_adaptive import checks
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
-from jax_adaptive.plan import Plan, SizeTrial, least_padding_size
+from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, FaultHook, Sized, Sizing
+from jax_adaptive.sizing import Binding, Sized, Sizing
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
 
@@ -81,37 +59,24 @@ class AdaptiveStep:
     """Your jitted step at the largest micro-batch size that fits, re-planned on OOM.
 
     Args:
-        build_step: ``micro_batch_size -> step`` (`StepBuilder`); the step takes
-            positional array pytrees (your state, your batch, ...) and is compiled once
-            per size tried. A larger size must need no less memory.
-        batch_argnum: which argument is the batch: its leading size ``T`` is the
-            largest size tried, and the ledger counts it as in flight.
-        memory_limit: bytes: a device of that size (on a CPU, a simulated one), which
-            must hold the step's ledger.
-        headroom: the share of a device's real capacity (``memory_stats()``) left
-            unused; never applied to ``memory_limit``.
-        objective: ``"least_padding"`` (the default): the fewest micro-batches the
-            largest fitting size allows, with the least padding
-            (`jax_adaptive.plan.least_padding_size`); ``"max"``: the largest size itself.
+        build_step: ``micro_batch_size -> step`` (`StepBuilder`); the step takes positional
+            array pytrees (your state, your batch, ...). A larger size must need no less memory.
+        batch_argnum: which argument is the batch: its leading size ``T`` is the largest
+            size tried, and the ledger counts it as in flight.
+        memory_limit: bytes: a device of that size (simulated on a CPU).
+        headroom: the share of a device's real capacity left unused; never applied to
+            ``memory_limit``.
+        objective: ``"least_padding"``: the fewest micro-batches the largest fitting size
+            allows, with the least padding; ``"max"``: the largest size itself.
         multiple_of: try only multiples of this.
-        plan_cache: None for the default file (`jax_adaptive.PlanCache`), False for
-            none, a path or a `jax_adaptive.PlanCache`.
+        plan_cache: None for the default file, False for none, a path or a `PlanCache`.
         host_backup: ``"first_run"``: a host copy of the donated arguments before the
-            first run of each size (and of a size retried after a failure);
-            ``"every_call"``: before every call of a donating step.
-        oom_retries: real out-of-memory errors in a row retried at the smallest size
-            before giving up.
+            first run of each size (and a retry); ``"every_call"``: before every call.
+        oom_retries: real out-of-memory errors in a row retried at the smallest size.
         device: the device whose capacity counts (the first local device by default).
 
     Attributes:
-        search_log: every `jax_adaptive.SizeTrial`, in order.
-        memory_model: the `jax_adaptive.memory.MemoryModel` of the sizes measured
-            for the arguments' shapes in use.
-        compiles: step compiles so far, for every shape.
         host_bytes: bytes copied to the host to make failures recoverable.
-        fault_hook: an object with ``before_compile(size)`` and
-            ``before_execution(size, args)`` (`jax_adaptive.testing.inject_oom`
-            installs one), or None.
         sizing: the `jax_adaptive.sizing.Sizing` engine that decides the sizes.
 
     Examples:
@@ -197,90 +162,62 @@ class AdaptiveStep:
         """The compiled step (a ``jax.stages.Compiled``) of the size in use."""
         return self.compile(self.micro_batch_size)
 
-    @property
-    def search_log(self) -> list[SizeTrial]:
-        """Every size decided, for every shape: see `jax_adaptive.SizeTrial`."""
-        return self.sizing.search_log
-
-    @property
-    def compiles(self) -> int:
-        """Step compiles so far, for every shape of arguments."""
-        return self.sizing.compiles
+    search_log = property(attrgetter("sizing.search_log"), doc="Every `SizeTrial`, every shape.")
+    compiles = property(attrgetter("sizing.compiles"), doc="Step compiles, for every shape.")
+    memory_limit = property(attrgetter("sizing.memory_limit"), doc="The simulated device's bytes.")
+    fault_hook = property(
+        attrgetter("sizing.fault_hook"),
+        lambda self, hook: setattr(self.sizing, "fault_hook", hook),
+        doc="Called before each compile and each run; see `jax_adaptive.testing`.",
+    )
 
     @property
     def memory_model(self) -> MemoryModel:
         """The `jax_adaptive.memory.MemoryModel` of the sizes measured for the shapes in use."""
-        self._require_bound()
-        return self._program.memory_model
+        return self._bound().memory_model
 
     @property
     def largest(self) -> int | None:
         """The largest size found to fit for the shapes in use (None: not searched)."""
         return None if self._program is None else self._program.largest
 
-    @property
-    def memory_limit(self) -> int | None:
-        """The simulated device's bytes (`set_memory_limit` changes it)."""
-        return self.sizing.memory_limit
-
-    @property
-    def fault_hook(self) -> FaultHook | None:
-        """Called before each compile and each run; see `jax_adaptive.testing`."""
-        return self.sizing.fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook: FaultHook | None) -> None:
-        self.sizing.fault_hook = hook
-
     def capacity(self) -> int | None:
-        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
-
-        The smaller of ``memory_limit`` and, where the device says (a GPU), its
-        ``bytes_limit`` less ``headroom`` less what other arrays held when the plan
-        was made.
-        """
+        """The bytes a size's ledger may reach (docs/memory.md); None: unknown."""
         return self.sizing.capacity()
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
-        """Changes the cap: a lower one applies at the next call, a higher one re-plans there.
-
-        A higher cap (or none) lets a larger size fit: the next call searches again,
-        without compiling again the sizes measured already.
-        """
+        """Changes the cap: a lower one applies at the next call, a higher one re-plans there."""
         self._replan = self.sizing.set_memory_limit(memory_limit) or self._replan
 
     # ------------------------------------------------------------ compiling, measuring
 
     def compile(self, size: int) -> Any:
         """The compiled step for ``size`` (compiled once; sizes not in use are released)."""
-        self._require_bound()
-        return self._program.executable(size).compiled
+        return self._bound().executable(size).compiled
 
     def ledger(self, size: int) -> Ledger:
-        """Everything live on the device while the step of ``size`` runs.
+        """Everything live while the step of ``size`` runs, by part.
 
-        ``state``: the arguments other than the batch, whole; ``in_flight``: the batch
-        and the step's outputs not aliased to a donated argument; ``program``: the
-        step's temporaries and code (XLA's memory analysis, compiled once per size).
+        ``state``: the arguments but the batch, whole; ``in_flight``: the batch and the
+        outputs not aliased to a donated argument; ``program``: temporaries and code.
         """
-        self._require_bound()
-        return self._program.ledger(size)
+        return self._bound().ledger(size)
 
     def check(self, size: int) -> None:
         """Raises `jax_adaptive.SimulatedOutOfMemory` when the ledger exceeds the capacity."""
         self._program.check(size)
 
-    def _require_bound(self) -> None:
+    def _bound(self) -> Binding:
         if self._program is None:
             raise RuntimeError("call step(*args) or step.plan(*args) first.")
+        return self._program
 
     # ------------------------------------------------------------ planning
 
     def plan(self, *args: Any) -> Plan:
         """Plans the size for arguments like ``args`` (their shapes; nothing runs).
 
-        Done by the first call of each shape of arguments (a plan made for a shape is
-        kept), and again after `set_memory_limit` raised the cap.
+        A call plans each new shape of arguments itself, and again after a raised cap.
 
         Returns:
             The `jax_adaptive.Plan`.
@@ -339,9 +276,13 @@ class AdaptiveStep:
     def _largest(self, hi: int, reason: str) -> int:
         """The size to run: the largest in ``[multiple_of, hi]`` that fits, trimmed."""
         lo = self.multiple_of
-        largest = self._program.largest_fitting(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
+        return self._trimmed(
+            self._program.largest_fitting(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
+        )
+
+    def _trimmed(self, largest: int) -> int:
         if self.objective == "least_padding":
-            return least_padding_size(self._batch_size, largest, lo)
+            return least_padding_size(self._batch_size, largest, self.multiple_of)
         return largest
 
     def _use(self, size: int) -> None:
@@ -375,18 +316,12 @@ class AdaptiveStep:
             args = self._restore(args, saved)
             del out, saved  # what the failed attempt held goes before the retry
             try:
-                self._use(self._shrink(error, size))
+                lo = self.multiple_of
+                largest = self._program.shrink(error, size, reason="call", multiple_of=lo, least=lo)
+                self._use(self._trimmed(largest))
             except NothingFitsError as exc:
                 exc.arguments = args  # intact: the caller's own may have been donated
                 raise
-
-    def _shrink(self, error: BaseException, size: int) -> int:
-        """The size to run the same arguments at after ``size`` ran out of memory."""
-        lo = self.multiple_of
-        largest = self._program.shrink(error, size, reason="call", multiple_of=lo, least=lo)
-        if self.objective == "least_padding":
-            return least_padding_size(self._batch_size, largest, lo)
-        return largest
 
     def _run(self, size: int, args: tuple[Any, ...], saved: dict | None) -> Any:
         """One run of the step of ``size``, copying its donated arguments into ``saved``."""

@@ -1,19 +1,14 @@
 """Evaluation and prediction at the largest batch that fits (guide: docs/evaluation.md).
 
-An evaluation program holds no gradients, so its batch is usually many times the
-training micro-batch; `Evaluator` is a client of the sizing engine
-(`jax_adaptive.sizing.Sizing`, one binding per mode and input shapes, plan-cache keys of
-its own). Every batch has the planned size, the last padded with repeated real rows that
-are masked out of every sum; float metrics are summed on the device, integer ones
-exactly in 64 bits on the host, and divided by the number of real examples on the host,
-so the means are those of one full pass. An out-of-memory while a batch runs shrinks the
-evaluation batch and runs the same examples again: nothing is lost or counted twice.
+`Evaluator` is a client of the sizing engine (`jax_adaptive.sizing.Sizing`): one binding
+per mode and input shapes, plan-cache keys of its own.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any, Literal
 
 import jax
@@ -24,9 +19,9 @@ from jax_adaptive import checks
 from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
-from jax_adaptive.plan import SizeTrial, least_padding_size
+from jax_adaptive.plan import least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, FaultHook, Sized, Sizing
+from jax_adaptive.sizing import Binding, Sized, Sizing
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn", "TrainerEvaluations"]
 
@@ -50,9 +45,8 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
 def _masked(value: jax.Array, mask: jax.Array) -> jax.Array:
     """The batch's sum over its real rows of a float metric; an integer metric's real rows.
 
-    ``where``, not a product: a padding row's NaN stays out. Floats are summed on the
-    device in at least float32; integers come back per example (padding zeroed), to be
-    summed exactly in 64 bits on the host: int32 sums overflow at 2**31.
+    ``where``, not a product: a padding row's NaN stays out. Integers are summed on the
+    host in 64 bits (`_host_sum`): int32 sums overflow at 2**31.
     """
     kept = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, 0)
     if not jnp.issubdtype(value.dtype, jnp.floating):
@@ -73,25 +67,19 @@ class Evaluator:
     """Runs a per-example function over a dataset at the largest batch whose program fits.
 
     Args:
-        metric_fn: ``(params, batch) -> outputs``, each with a leading axis of the
-            batch's size: a dict of per-example metrics (any numeric dtype, any trailing
-            shape) for `evaluate`, any pytree for `predict`. It sees padded batches of
-            exactly the planned size; padding rows repeat real ones and are masked.
-        memory_limit: bytes: a device of that size, which must hold the evaluation's
-            whole ledger (the resident arrays, the batch in flight, the program). On a
-            CPU it simulates that device, exactly as `jax_adaptive.AdaptiveTrainer`'s.
-        headroom: the share of a device's real capacity (``memory_stats()``) left unused;
-            never applied to ``memory_limit``.
+        metric_fn: ``(params, batch) -> outputs`` (`MetricFn`), each with a leading axis
+            of the batch's size; it sees padded batches of exactly the planned size, the
+            padding rows repeating real ones, masked.
+        memory_limit: bytes: a device of that size (simulated on a CPU), which must hold
+            the whole ledger (the resident arrays, the batch in flight, the program).
+        headroom: the share of a device's real capacity left unused; never applied to
+            ``memory_limit``.
         multiple_of: search only multiples of this; a smaller size only when none fits.
-        max_batch_size: the largest batch considered; None for the dataset's number of
-            examples (arrays, or a stream that ends within `STREAM_MAX_BATCH_SIZE`),
-            else `STREAM_MAX_BATCH_SIZE`.
-        plan_cache: where the size found is remembered, under a key of its own: None for
-            the default file, False for none, a path or a `jax_adaptive.PlanCache`.
-        oom_retries: real out-of-memory errors in a row retried at batch size 1 before
-            giving up.
+        max_batch_size: the largest batch considered (None: see `STREAM_MAX_BATCH_SIZE`).
+        plan_cache: None for the default file, False for none, a path or a `PlanCache`.
+        oom_retries: real out-of-memory errors in a row retried at batch size 1.
         device: the device to evaluate on (the first local device by default).
-        progress: show a progress bar of the examples evaluated (off by default).
+        progress: show a progress bar of the examples evaluated.
 
     Attributes:
         batch_size: the batch size of the last run (None before one).
@@ -125,9 +113,8 @@ class Evaluator:
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         if max_batch_size is not None:
             checks.positive_int("max_batch_size", max_batch_size)
-        self.metric_fn = metric_fn
+        self.metric_fn, self.max_batch_size = metric_fn, max_batch_size
         self.multiple_of = checks.positive_int("multiple_of", multiple_of)
-        self.max_batch_size = max_batch_size
         self.progress = progress
         self.sizing = Sizing(
             "evaluation batch of",
@@ -142,39 +129,21 @@ class Evaluator:
         self._mode: _Mode = "evaluate"
         self._program: Binding | None = None  # the engine's binding of the last run
 
-    @property
-    def search_log(self) -> list[SizeTrial]:
-        """Every size decided: `jax_adaptive.SizeTrial`s, for evaluation and prediction."""
-        return self.sizing.search_log
-
-    @property
-    def compiles(self) -> int:
-        """Evaluation programs compiled so far (one per size measured)."""
-        return self.sizing.compiles
-
-    @property
-    def memory_limit(self) -> int | None:
-        """The simulated device's bytes; set it to change the cap for the next run."""
-        return self.sizing.memory_limit
-
-    @memory_limit.setter
-    def memory_limit(self, memory_limit: int | None) -> None:
-        self.sizing.set_memory_limit(memory_limit)
-
-    @property
-    def fault_hook(self) -> FaultHook | None:
-        """Called before each compile and each batch that runs (see `jax_adaptive.testing`)."""
-        return self.sizing.fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook: FaultHook | None) -> None:
-        self.sizing.fault_hook = hook
+    search_log = property(attrgetter("sizing.search_log"), doc="Every `SizeTrial`, both modes.")
+    compiles = property(attrgetter("sizing.compiles"), doc="Programs compiled, one per size.")
+    memory_limit = property(
+        attrgetter("sizing.memory_limit"),
+        lambda self, limit: self.sizing.set_memory_limit(limit),
+        doc="The simulated device's bytes; set it to change the cap for the next run.",
+    )
+    fault_hook = property(
+        attrgetter("sizing.fault_hook"),
+        lambda self, hook: setattr(self.sizing, "fault_hook", hook),
+        doc="Called before each compile and each batch that runs (see `jax_adaptive.testing`).",
+    )
 
     def capacity(self) -> int | None:
-        """The bytes a size's ledger may reach; None when unknown (a CPU with no limit).
-
-        The smaller of ``memory_limit`` and, where the device says (a GPU), its capacity
-        less ``headroom`` less what other live arrays held when the plan was made.
+        """The bytes a size's ledger may reach (docs/memory.md); None: unknown.
 
         Examples:
             >>> import jax_adaptive as ja
@@ -189,14 +158,11 @@ class Evaluator:
         """The mean of each per-example metric over every example of ``dataset``.
 
         Args:
-            params: the first argument of ``metric_fn`` (any pytree: parameters,
-                ``{"params": ..., "batch_stats": ...}``, a whole train state).
-            dataset: one batch of all the examples (a dict, tuple or array with a
-                leading example axis, NumPy or jax) or a stream of batches of any
-                sizes (a list or any other iterable), read once, in order.
-            resident: other arrays live on the device while evaluation runs, counted
-                in the ledger but not passed (the train state during training); arrays
-                also in ``params`` count once.
+            params: the first argument of ``metric_fn`` (any pytree).
+            dataset: one batch of all the examples (a dict, tuple or array, NumPy or jax)
+                or a stream of batches of any sizes (any other iterable), read once.
+            resident: other arrays live while evaluation runs, counted in the ledger but
+                not passed (the train state); arrays also in ``params`` count once.
 
         Returns:
             ``{name: mean}`` for each metric (a float, or an array for a metric with
@@ -213,16 +179,14 @@ class Evaluator:
             {'hit': 0.6, 'examples': 5}
         """
         sums, count = self._run("evaluate", params, dataset, resident)
-        means = {name: _host_value(total / count) for name, total in sums.items()}
+        means = {name: total / count for name, total in sums.items()}
+        means = {name: float(m) if np.ndim(m) == 0 else m for name, m in means.items()}
         return {**means, "examples": count}
 
     def predict(self, params: Any, dataset: Any, *, resident: Any = None) -> Any:
         """``metric_fn``'s outputs for every example of ``dataset``, padding removed, on the host.
 
-        Args:
-            params: as in `evaluate`.
-            dataset: as in `evaluate`.
-            resident: as in `evaluate`.
+        The arguments are `evaluate`'s.
 
         Returns:
             The outputs' pytree, each leaf the NumPy concatenation over all examples.
@@ -355,11 +319,9 @@ class Evaluator:
         return {name: _masked(value, mask) for name, value in out.items()}
 
     def ledger(self, size: int) -> Ledger:
-        """Everything live on the device while a batch of ``size`` runs, by part.
+        """Everything live while a batch of ``size`` of the last run's program runs, by part.
 
-        For the last dataset's program (`evaluate` or `predict`): the resident arrays,
-        the batch and its mask with the program's outputs, the program's temporaries
-        and code. Each size is compiled and measured once; its measure is kept.
+        The resident arrays; the batch, its mask and the outputs; temporaries and code.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
@@ -410,15 +372,6 @@ class TrainerEvaluations:
     Each shares the trainer's device, limit (followed when it changes), headroom and
     plan cache; its sizes and out-of-memory shrinking are its own. With model state,
     ``metric_fn(params, model_state, batch)``.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, numpy as np
-        >>> evaluations = TrainerEvaluations(
-        ...     has_state=False, device=jax.devices()[0], mesh=None, limit=lambda: None,
-        ...     headroom=0.05, plan_cache=None)
-        >>> error = lambda p, b: {"error": (b * p - 1) ** 2}
-        >>> evaluations.evaluator(error) is evaluations.evaluator(error)
-        True
     """
 
     def __init__(
@@ -440,7 +393,8 @@ class TrainerEvaluations:
         evaluator = self._evaluators.get(metric_fn)
         if evaluator is None:
             evaluator = self._evaluators[metric_fn] = Evaluator(
-                _with_model_state(metric_fn) if self.has_state else metric_fn,
+                # ``(params, model_state, batch)`` as ``((params, model_state), batch)``
+                (lambda v, batch: metric_fn(v[0], v[1], batch)) if self.has_state else metric_fn,
                 memory_limit=self._limit(),
                 headroom=self._headroom,
                 plan_cache=False if self._plan_cache is None else self._plan_cache,
@@ -479,16 +433,3 @@ class TrainerEvaluations:
             return {f"eval_{name}": value for name, value in metrics.items()}
 
         return after
-
-
-def _with_model_state(metric_fn: Callable[..., Any]) -> MetricFn:
-    """``(params, model_state, batch)`` as the evaluator's ``((params, model_state), batch)``."""
-
-    def metric(variables: tuple[Any, Any], batch: Any) -> Any:
-        return metric_fn(variables[0], variables[1], batch)
-
-    return metric
-
-
-def _host_value(value: np.ndarray) -> Any:
-    return float(value) if np.ndim(value) == 0 else value
