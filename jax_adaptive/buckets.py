@@ -1,13 +1,8 @@
 """Variable input shapes: shape buckets, a plan per bucket, token budgets (docs/buckets.md).
 
-A sequence is padded to the smallest bucket that holds it (a length, or a shape of
-several axes such as ``(H, W)``), with a mask, so a run compiles one micro-step per bucket
-and size; each update takes one bucket's examples. `BucketedTrainer` keeps an
-`AdaptiveTrainer` per bucket sharing one train state and one sizing engine (each bucket
-a binding of its own); with ``target_tokens`` an update of bucket ``L`` holds
-``target_tokens // L`` sequences; per-sequence weights from the real token count keep
-every update exact; a new bucket's search starts at the size the buckets seen predict
-(`jax_adaptive.memory.predict_line`).
+`BucketedTrainer` keeps an `AdaptiveTrainer` per bucket sharing one train state and one
+sizing engine (each bucket a binding of its own); a new bucket's search starts at the
+size the buckets seen predict (`jax_adaptive.memory.predict_line`).
 """
 
 from __future__ import annotations
@@ -181,11 +176,9 @@ def bucket_batches(
 ) -> Iterator[BucketBatch]:
     """Groups a stream of examples into padded batches of one bucket each.
 
-    A bucket's batch is emitted once it holds ``sizes[bucket]`` examples: the order is
-    kept within a bucket, nothing dropped or seen twice. What waits in the buckets, or
-    was read ahead by a background thread (``read_ahead``), stays with an iterator's
-    stream when the generator is closed: a later ``bucket_batches`` of the same iterator
-    starts from it. A list is read afresh; what waits when it ends is not emitted.
+    A bucket's batch is emitted once it holds ``sizes[bucket]`` examples, in order.
+    What waits in the buckets, or was read ahead, stays with an iterator's stream when
+    the generator is closed, for its next reader; a list is read afresh.
 
     Args:
         examples: dicts of arrays whose leading axes vary (``[len, ...]`` sequences).
@@ -250,11 +243,6 @@ def _bucketed(
         keep()
 
 
-def _default_counts(batch: Mapping[str, Any], mask_key: str = "mask") -> np.ndarray:
-    mask = np.asarray(batch[mask_key])
-    return mask.reshape(len(mask), -1).sum(axis=1)
-
-
 class BucketedTrainer:
     """Trains on inputs of varying shape: one plan per shape bucket, exact updates.
 
@@ -266,10 +254,10 @@ class BucketedTrainer:
         optimizer: any ``optax.GradientTransformation``.
         buckets: lengths (`pow2_buckets`), or shapes of several leading axes.
         target_tokens: padded positions per update (``target_tokens // L`` examples in
-            bucket ``L``); give this or ``target_batch_size`` (sequences per update).
+            bucket ``L``); give this or ``target_batch_size``.
         target_batch_size: sequences per update, whatever the bucket.
-        weighting: ``"token"`` (each real token weighs the same), ``"example"`` (each
-            sequence: the mean of per-token means) or ``"none"`` (a plain mean).
+        weighting: ``"token"`` (each real token weighs the same), ``"example"`` (the mean
+            of per-sequence means) or ``"none"`` (a plain mean).
         count_tokens: ``batch -> [n]`` real tokens per sequence as the loss counts them
             (``mask.sum(axis=1)`` by default).
         mask_key: the mask's name in batches.
@@ -322,7 +310,9 @@ class BucketedTrainer:
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.buckets, self.weighting, self.mask_key = buckets, weighting, mask_key
         self.target_tokens, self.target_batch_size = target_tokens, target_batch_size
-        self.count_tokens = count_tokens or (lambda b: _default_counts(b, mask_key))
+        self.count_tokens = count_tokens or (
+            lambda b: np.asarray(b[mask_key]).reshape(len(b[mask_key]), -1).sum(axis=1)
+        )
         self.predict = predict
         self.trainer_kwargs = trainer_kwargs
         self.axes = len(_dims(buckets[0]))
@@ -400,18 +390,15 @@ class BucketedTrainer:
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of sequences, bucketed by `bucket_batches`.
 
-        The sequences read and not yet trained on (waiting in buckets, or read ahead)
-        stay with the stream's iterator: ``fit(state, it, n)`` called again on ``it``
-        starts with them.
+        The sequences read and not yet trained on stay with the stream's iterator:
+        ``fit(state, it, n)`` called again on ``it`` starts with them.
 
         Args:
             state: from `init`.
-            sequences: dicts of per-sequence arrays (``mask_key`` marks real tokens).
+            sequences: dicts of per-sequence arrays.
             num_updates: stop after this many updates (None: when the stream ends).
             on_update: called as ``on_update(update, metrics)`` after each update.
-            read_ahead: sequences a background thread reads while updates run (0: none);
-                worth it for a slow loader (``experiments/loader_overlap.py``, in
-                docs/benchmarks.md).
+            read_ahead: sequences a background thread reads while updates run (0: none).
 
         Returns:
             The state and one metrics dict (host values) per update.
@@ -438,8 +425,11 @@ class BucketedTrainer:
     # ----------------------------------------------------------------- internals
 
     def _new_trainer(self, bucket: Bucket) -> AdaptiveTrainer:
-        size = self.examples_per_update(bucket)
-        prior = self._predicted_line(_volume(bucket)) if self.predict else None
+        size, prior = self.examples_per_update(bucket), None
+        if self.predict and self.trainers:  # the line the buckets seen predict
+            capacity = next(iter(self.trainers.values())).capacity()
+            if capacity is not None:
+                prior = predict_line(self._points, _volume(bucket), capacity)
         trainer = AdaptiveTrainer(
             self.loss_fn,
             self.optimizer,
@@ -485,9 +475,3 @@ class BucketedTrainer:
             }
         )
         return out
-
-    def _predicted_line(self, positions: int) -> tuple[float, float] | None:
-        capacity = next(iter(self.trainers.values())).capacity() if self.trainers else None
-        if capacity is None:
-            return None
-        return predict_line(self._points, positions, capacity)

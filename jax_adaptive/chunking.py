@@ -1,12 +1,7 @@
 """How an update's micro-steps are dispatched: how many per program, and the last program.
 
-`Chunking` decides, for the size the planner runs, the chunk (micro-steps scanned in
-one program: as few dispatches as the capacity leaves room for) and whether the
-update's last program runs the optimizer step too (one dispatch and one wait fewer),
-each against its `jax_adaptive.Ledger`. On a CPU it also times a chunk once against
-its micro-steps one by one: XLA:CPU runs some loops slowly. The planner
-(`jax_adaptive.planner.Planner`) owns one and makes it decide again when the size,
-the target or the limit changes.
+`Chunking` decides, for the size the planner runs, the chunk and whether the update's
+last program runs the optimizer step too (guide: docs/trainer.md, ``chunk``).
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 
@@ -31,11 +26,7 @@ __all__ = ["SLOWER_CHUNK", "Chunking"]
 log = logging.getLogger("jax_adaptive")
 
 
-class _Undecided:
-    """The fused last program before it is decided."""
-
-
-_UNDECIDED = _Undecided()
+_UNDECIDED: Any = object()  # the fused last program before it is decided
 
 SLOWER_CHUNK = 2.0
 """On a CPU, a chunk whose program takes over this many times its micro-steps run one by
@@ -44,38 +35,24 @@ guards against cost several times that (the warning gives the ratio measured).""
 
 
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
-    """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``.
-
-    Examples:
-        >>> from jax_adaptive.memory import Ledger
-        >>> _fits(lambda: Ledger(state=6, in_flight=2, program=2), capacity=10)
-        True
-    """
+    """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``."""
     measured, error = catch_oom(ledger)  # compiling may run out of memory
     return error is None and (capacity is None or measured.total <= capacity)
 
 
 class Chunking:
-    """The chunk and the fused last program of one size, each decided once for it.
+    """The chunk and the fused last program of one size, each against its ledger, decided once.
+
+    The planner (`jax_adaptive.planner.Planner`) owns one and makes it decide again when
+    the size, the target or the limit changes.
 
     Args:
         executables: the compiled pieces (``ledger(size, chunk)`` measures a program of
             that many micro-steps).
         capacity: ``() -> bytes`` a program's ledger may reach (None: no limit known).
         limit: ``"auto"`` (as many micro-steps per dispatch as the capacity allows, the
-            whole update at most) or the most per dispatch (`AdaptiveTrainer`'s
-            ``chunk``).
-        timed: time a chunk once against its micro-steps one by one (a CPU, one
-            process), and run one micro-step per dispatch when it is much slower.
-
-    Examples:
-        >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-        >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: b * p, optax.sgd(0.1),
-        ...                              target_batch_size=8, micro_batch_size=2)
-        >>> state = trainer.init(jnp.zeros(()), np.ones(8, np.float32))
-        >>> state, _ = trainer.step(state, np.ones(8, np.float32))
-        >>> trainer.plan_info.chunk, trainer.plan_info.fused  # Chunking's decisions
-        (4, True)
+            whole update at most) or the most per dispatch (`AdaptiveTrainer`'s ``chunk``).
+        timed: time a chunk once against its micro-steps one by one (`settle`).
     """
 
     def __init__(
@@ -90,7 +67,7 @@ class Chunking:
         self._ledger, self._capacity = executables.ledger, capacity
         self.chunk_of: int | None = None  # decided at the size's first update
         # The last program with the optimizer step in it (None: apart), once decided.
-        self._final: tuple[int, Executable] | _Undecided | None = _UNDECIDED
+        self._final: tuple[int, Executable] | None = _UNDECIDED
         self._speed: dict[tuple, bool] = {}  # (size, chunk, fused): not much slower
 
     @property
@@ -155,12 +132,9 @@ class Chunking:
     def final(self, size: int, T: int) -> tuple[int, Executable] | None:
         """The update's last program with the optimizer step in it, and its micro-steps.
 
-        The last dispatch of an update (the last chunk when the chunk divides the
-        micro-steps, else a single micro-step) runs the optimizer step too, one dispatch
-        and one wait fewer per update (`Executables.final`), when its ledger fits: the
-        new state is then allocated beside the old one, which stays intact. Decided
-        (compiled) at the size's first update and again after the size or the limit
-        changes; never with several processes. None: the optimizer step runs apart.
+        The last chunk when the chunk divides the micro-steps, else a single micro-step
+        (`Executables.final`), when its ledger (the new state beside the old) fits.
+        None: the optimizer step runs apart.
         """
         if self._final is _UNDECIDED:
             steps, chunk = math.ceil(T / size), self.chunk(size, T)
@@ -172,11 +146,9 @@ class Chunking:
     def _may_fuse(self, size: int, chunk: int, T: int, capacity: int | None) -> bool:
         """Whether ``chunk`` micro-steps of ``size`` and the optimizer step fit one program.
 
-        Only with one process: with several, micro-steps hold no collective so that one
-        that runs out of memory leaves no other waiting (`jax_adaptive.update.Updater`),
-        and the optimizer step's reduction keeps a program of its own. The program is
-        compiled only when the micro-step's ledger and the new state, a lower bound of
-        its own, fit.
+        Only with one process: with several, the optimizer step's reduction keeps a program
+        of its own (`jax_adaptive.update.Updater`). Compiled only when the micro-step's
+        ledger and the new state, a lower bound of its own, fit.
         """
         if jax.process_count() > 1:
             return False
@@ -189,14 +161,10 @@ class Chunking:
     def settle(self, state: TrainState, size: int, T: int) -> None:
         """At an update's start: the chunk the capacity allows, if it is not much slower.
 
-        XLA:CPU runs a convolution inside a loop (a chunk's scan) with slow kernels: the
-        Flax MNIST example's CNN runs a chunk several times slower than its micro-steps
-        dispatched one at a time (jax-ml/jax#12868; the warning gives the ratio). When
-        ``timed``, the program the update would run (the chunk, or the whole update with
-        the optimizer step) is timed once on ``state`` and a batch of zeros against
-        ``chunk`` runs of the micro-step (the user's loss runs then, on zeros); more
-        than `SLOWER_CHUNK` times slower, the update runs one micro-step per dispatch.
-        Elsewhere a chunk is taken for the dispatches it saves, untimed.
+        XLA:CPU runs a convolution inside a loop (a chunk's scan) with slow kernels
+        (jax-ml/jax#12868). When ``timed``, the program the update would run is timed
+        once on ``state`` and zeros against its micro-steps one by one (`_not_slower`);
+        elsewhere a chunk is taken untimed.
         """
         if not self.timed or (chunk := self.chunk(size, T)) == 1:
             return
@@ -212,12 +180,11 @@ class Chunking:
     def _not_slower(
         self, state: TrainState, size: int, T: int, chunk: int, program: Executable
     ) -> bool:
-        """Whether ``program`` (``chunk`` micro-steps) is not much slower than one by one.
+        """Whether ``program`` (``chunk`` micro-steps) takes at most `SLOWER_CHUNK` times them.
 
-        At most `SLOWER_CHUNK` times the micro-steps one by one. The two are timed in
-        turn, three times each (the fastest of each counts), and a chunk found slower is
-        timed again: a busy machine must not decide. True when an out-of-memory leaves
-        it unknown: the update meets it and recovers.
+        Timed in turn, three times each (the fastest counts), a chunk found slower timed
+        again: a busy machine must not decide. True when an out-of-memory leaves it
+        unknown: the update meets it and recovers.
         """
         ex = self.executables
 

@@ -168,7 +168,7 @@ class ExampleQueue:
     """
 
     def __init__(self, dataset: Any):
-        one = _is_one_batch(dataset)
+        one = isinstance(dataset, Mapping | tuple | np.ndarray | jax.Array)
         self._batches: Iterator[Any] = iter(() if one else dataset)
         self._pending: list[Any] = [dataset] if one else []
         self.exhausted = one
@@ -222,17 +222,12 @@ class ExampleQueue:
             self._start = 0
 
 
-def _is_one_batch(dataset: Any) -> bool:
-    return isinstance(dataset, Mapping | tuple | np.ndarray | jax.Array)
-
-
 class _Pending:
     """Examples read from a stream and not yet taken, kept with the stream's iterator.
 
     ``batches`` (``count`` examples) were read in; ``lent`` was yielded and not yet
-    `Rebatcher.taken` (it goes back in front at the next reader); ``unread`` was read ahead
-    and handed back (`jax_adaptive.read_ahead.Unread`). ``read`` counts the examples read
-    from the stream; ``spec`` is its batches' structure and per-example shapes.
+    `Rebatcher.taken`; ``unread`` was read ahead and handed back. ``read`` counts the
+    examples read from the stream; ``spec`` is its structure and per-example shapes.
     """
 
     def __init__(self) -> None:
@@ -256,11 +251,6 @@ class _Pending:
         return size
 
 
-def _spec(batch: Any) -> tuple[Any, list[tuple[int, ...]]]:
-    leaves, treedef = jax.tree.flatten(batch)
-    return treedef, [np.shape(leaf)[1:] for leaf in leaves]
-
-
 # What each source iterator has had read past the last batch yielded from it, so that a
 # later Rebatcher of the same iterator (a second ``fit`` on it) yields it first.
 _LEFT: Left[_Pending] = Left(_Pending)
@@ -269,37 +259,24 @@ _LEFT: Left[_Pending] = Left(_Pending)
 class Rebatcher:
     """Turns a stream of batches of any leading size into batches of exactly ``size``.
 
-    Leftover examples carry over to the next batch; nothing is reordered, skipped or
-    repeated. A stream that ends leaves its last partial batch in ``leftover``.
-
-    The examples read past the last batch belong to the stream's iterator, not to the
-    Rebatcher: given an iterator (``iter(x) is x``: a generator, a file reader), a later
-    Rebatcher of that iterator yields them first. So ``trainer.fit(state, it, 1)``
-    called again on ``it`` goes on with the very next example. An iterable that is not
-    an iterator (a list) is read afresh by each Rebatcher.
-
-    With ``read_ahead``, a background thread reads the stream that many batches ahead
-    (`jax_adaptive.read_ahead.ReadAhead`), so that the loader's host work overlaps the
-    training between two batches; `close` (or leaving a ``with`` block) stops it and
-    keeps what it read for the stream's next reader, as above. With ``lend``, a batch
-    yielded stays with the stream until `taken` (a training loop calls it once the
-    batch's update is kept): a Ctrl-C at any moment leaves every example not trained on
-    with the stream. A batch whose structure or per-example shapes differ from the
-    stream's first is refused once, naming its position, and skipped.
+    Nothing is reordered, skipped or repeated (guide: docs/own-loop.md). What was read
+    past the last batch belongs to the stream's iterator: a later Rebatcher of the same
+    iterator (``iter(x) is x``) yields it first; a list is read afresh by each. A batch
+    whose structure or per-example shapes differ from the stream's first is refused
+    once, naming its position, and skipped.
 
     Args:
         batches: an iterable of pytrees of host arrays, any leading size (0 included).
-        size: the leading size of each batch yielded. It may be set again between
-            batches: `jax_adaptive.AdaptiveTrainer.fit` sets it to each update's size
-            under a batch-size schedule.
+        size: the leading size of each batch yielded; it may be set again between
+            batches (a batch-size schedule).
         read_ahead: how many of the stream's batches a background thread may read
-            before they are needed (0: none, the stream is read when a batch is asked
-            for). The stream is then read in that thread only.
-        lend: a batch yielded counts as taken only at `taken`.
+            before they are needed (0: none); `close` (or a ``with`` block's end) stops it.
+        lend: a batch yielded stays with the stream until `taken` (a training loop calls
+            it once the update is kept), so a Ctrl-C leaves every example not trained on
+            with the stream.
 
     Attributes:
         consumed: examples this Rebatcher yielded (the stream position, for resuming).
-        leftover: examples read from the stream but not yet yielded.
 
     Examples:
         >>> stream = [{"id": np.arange(0, 3)}, {"id": np.arange(3, 8)}, {"id": np.arange(8, 9)}]
@@ -392,20 +369,18 @@ class Rebatcher:
         """Keeps a batch read from the stream, or refuses one unlike the stream's first."""
         pending = self._pending
         size = leading_size(batch, "a batch of the stream")
-        spec, at = _spec(batch), pending.read
+        leaves, treedef = jax.tree.flatten(batch)
+        spec, at = (treedef, [np.shape(leaf)[1:] for leaf in leaves]), pending.read
         pending.read += size
         if pending.spec is None:
             pending.spec = spec
-        elif spec[0] != pending.spec[0]:
-            raise ValueError(
-                f"the batch of the stream after example {at} has structure {spec[0]}, the "
-                f"ones before it {pending.spec[0]}; it is skipped."
-            )
-        elif spec[1] != pending.spec[1]:
-            raise ValueError(
-                f"the batch of the stream after example {at} has per-example shapes "
-                f"{spec[1]}, the ones before it {pending.spec[1]}; it is skipped."
-            )
+        kinds = ("structure", "per-example shapes")
+        for what, got, before in zip(kinds, spec, pending.spec, strict=True):
+            if got != before:
+                raise ValueError(
+                    f"the batch of the stream after example {at} has {what} {got}, the ones "
+                    f"before it {before}; it is skipped."
+                )
         pending.batches.append(jax.tree.map(np.asarray, batch))
         pending.count += size
 

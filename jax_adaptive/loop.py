@@ -1,18 +1,9 @@
 """The one host loop: updates over a stream of batches, with progress and hooks.
 
-Kept apart from the jitted pieces (as the Flax examples keep ``train_step`` apart from
-their loop): values come to the host once per update, for the history and the bar,
-never per micro-step. `jax_adaptive.AdaptiveTrainer.fit`,
-`jax_adaptive.BucketedTrainer.fit` and the command line (`jax_adaptive.cli.run`) all
-run it; what the command line adds (held-out evaluation, ``metrics.jsonl``,
-``plan.json``, checkpoints, a printed line per update) are its hooks, and a resumed run
-starts it after the updates done.
-
-Nothing a fit did is lost to an error part-way through it. An optimizer step that runs
-out of memory (`jax_adaptive.OptimizerStepOutOfMemory`, its need does not shrink with
-the micro-batch) is retried on the same batch from the state it kept. Any other error
-ends the loop as a `FitError`, raised from it (its traceback stays, as ``__cause__``),
-that holds the last good state, the history of the updates made and the batch in flight.
+Apart from the jitted pieces, as the Flax examples keep ``train_step`` apart: values come
+to the host once per update, never per micro-step. `jax_adaptive.AdaptiveTrainer.fit`,
+`jax_adaptive.BucketedTrainer.fit` and the command line run it (its additions are
+hooks). What an error part-way keeps: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -90,24 +81,19 @@ def fit_loop(
         state: the state to start from.
         batches: the stream.
         num_updates: how many updates to run; None runs until the stream ends.
-        progress: show a progress bar (update, loss, examples/s, micro-batch size and
-            accumulation steps).
+        progress: show a progress bar (update, loss, examples/s, micro-batch, steps).
         on_update: called with the update's number and metrics after each (after
             ``after_update``, whose metrics it sees).
         retries: how many times in a row one batch's update is run again after its
             optimizer step ran out of memory.
         after_update: called with the update's number, new state and metrics (host
-            values) after each update; the metrics it returns join that update's (an
-            evaluation's, say). Its error ends the loop like any other, the update kept.
-        start: the updates done before this call (a resumed run's): the updates are
-            numbered from ``start + 1``, and the bar starts there.
-        read_ahead: how many batches a background thread reads ahead while the updates
-            run (`jax_adaptive.read_ahead.ReadAhead`), so that the stream's host work
-            overlaps them; 0 reads each batch when it is needed, in this thread.
-        unread: with ``read_ahead``, given what was read ahead and not trained on (an
-            `jax_adaptive.read_ahead.Unread`) when the loop ends, however it ends: a
-            stream the caller positions again itself (a checkpoint's data position)
-            may drop it. Required with ``read_ahead``: the loop loses no batch unasked.
+            values) after each update; the metrics it returns join that update's.
+        start: the updates done before this call (a resumed run's): numbering and the
+            bar start at ``start + 1``.
+        read_ahead: how many batches a background thread reads ahead
+            (`jax_adaptive.read_ahead.ReadAhead`); 0 reads each when needed, in this thread.
+        unread: required with ``read_ahead``: given what was read ahead and not trained
+            on (an `jax_adaptive.read_ahead.Unread`) when the loop ends, however it ends.
         taken: called when the batch in flight is done with: its update kept (in one
             step with the new state, whole under Ctrl-C), or failed with an error (the
             `jax_adaptive.FitError` holds it); not on a Ctrl-C, which leaves it with the
@@ -117,10 +103,8 @@ def fit_loop(
         The state and one metrics dict (host values) per update.
 
     Raises:
-        FitError: from any error of the stream, the step, ``after_update`` or
-            ``on_update`` (after ``retries`` out-of-memory errors of one update's
-            optimizer step, too), with the last good state, the history and the batch
-            in flight.
+        FitError: from any error of the stream, the step or a hook (``retries``
+            exhausted, too), with the last good state, the history and the batch in flight.
 
     Examples:
         >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),

@@ -1,18 +1,12 @@
 """The plan: which micro-batch size to run, and how it changes when memory does.
 
 `Planner` is the trainer's client of the sizing engine (`jax_adaptive.sizing.Sizing`,
-reached through its `jax_adaptive.executables.Executables`, whose micro-step is the
-engine's sized program): the engine decides which sizes fit (the capacity, each size's
-`jax_adaptive.memory.Ledger`, the plan cache, the search, what a real out-of-memory
-teaches); the planner says which size the trainer runs: fixed, from the plan cache or
-the largest that fits, trimmed to the least padding for the target batch size; shrunk
-after an out-of-memory; grown back at an update boundary; followed when a batch-size
-schedule moves the target. Under ``jax.distributed`` every process plans the same size
-(the smallest any found), so all run the same programs.
-
-How the size's micro-steps are dispatched (the chunk, the fused last program) is
-decided by its `jax_adaptive.chunking.Chunking`, again whenever the size, the target or
-the limit changes.
+through `jax_adaptive.executables.Executables`), which decides which sizes fit. The
+planner picks the size the trainer runs: fixed, from the plan cache or the largest that
+fits, trimmed by the objective; shrunk after an out-of-memory, grown back at an update
+boundary, followed when a schedule moves the target. Under ``jax.distributed`` every
+process plans the same size (the smallest any found). Its `Chunking` decides how the
+size's micro-steps are dispatched.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.executables import Executables
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
-from jax_adaptive.plan import Objective, Plan, SizeTrial, least_padding_size
+from jax_adaptive.plan import Objective, Plan, least_padding_size
 from jax_adaptive.sizing import Binding, Executable
 from jax_adaptive.step import TrainState
 
@@ -39,13 +33,6 @@ GrowPolicy = Literal["never", "on_limit_change"] | int
 
 class Planner:
     """Plans the micro-batch size over an `jax_adaptive.executables.Executables`.
-
-    The plan does not depend on the target batch size ``T``, only capped by it: a
-    batch-size schedule changes ``T`` between updates (`set_target`) and the size is
-    then the largest known to fit below the new ``T`` (searched upward, from the sizes
-    already measured, when ``T`` grows past the sizes the last search could try),
-    trimmed to the least padding for the new ``T``; the chunk is decided again for the
-    new number of micro-steps.
 
     Args:
         executables: the compiled pieces (bound to a state and an example shape); their
@@ -105,11 +92,6 @@ class Planner:
     def program(self) -> Binding:
         """The engine's binding of the micro-step for the shape in use."""
         return self.executables.program
-
-    @property
-    def search_log(self) -> list[SizeTrial]:
-        """Every `jax_adaptive.SizeTrial` the engine decided."""
-        return self.sizing.search_log
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -218,9 +200,7 @@ class Planner:
     def _searched(self, hi: int, reason: str, lo: int = 1) -> int:
         """The largest size in ``[lo, hi]`` that fits, agreed; remembered as `largest`.
 
-        Sizes are multiples of ``multiple_of`` (and always of the data shards) unless
-        none fits. The capacity learned from real out-of-memory errors guides the search
-        but never makes a run fail: only a real run says a size does not fit.
+        A multiple of ``multiple_of`` (and always of the data shards) unless none fits.
         """
         self.largest = self.program.largest_fitting(
             hi=hi, reason=reason, lo=lo, multiple_of=self._multiple, least=self.shards
@@ -235,12 +215,9 @@ class Planner:
     def set_target(self, T: int) -> None:
         """Plans for updates of ``T`` examples (a batch-size schedule's next size).
 
-        Nothing changes when ``T`` does not. Otherwise the size is the largest known
-        to fit at or below ``T`` (no compile: a size below one that fits fits), or, when
-        ``T`` lies above every size the last search could try, the largest found by a
-        search from the largest known upward (sizes already measured are not compiled
-        again); then trimmed for ``T`` by the objective. The chunk is decided again.
-        A fixed size is kept, capped by ``T``.
+        The size: the largest known to fit at or below ``T`` (no compile), or, when ``T``
+        lies above every size the last search could try, a search upward from it; then
+        trimmed for ``T``. A fixed size is kept, capped by ``T``.
         """
         if T == self.target_batch_size:
             return
@@ -347,11 +324,9 @@ class Planner:
     def _follow_limit(self) -> None:
         """Notes a limit changed since the plan (on the engine, maybe by another trainer).
 
-        A raise lets the size grow (``grow="on_limit_change"``). The chunk and the fused
-        last program were decided under the old limit: decided again, even at the same
-        size; with several processes the chunk stays (they agreed on it together, and a
-        limit is one process's news): a chunk over a lowered limit fails its check and
-        the update goes on one micro-step per dispatch.
+        A raise lets the size grow. The chunk and the fused last program are decided
+        again; with several processes the chunk stays (they agreed on it, and a limit is
+        one process's news): over a lowered limit it fails its check and falls back.
         """
         old, limit = self._limit, self.sizing.memory_limit
         if limit == old:

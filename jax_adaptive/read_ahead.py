@@ -1,11 +1,8 @@
 """Reading a stream ahead in a background thread, so that its host work overlaps training.
 
-`jax_adaptive.AdaptiveTrainer` waits for each update to catch an out-of-memory in it, so a
-loader read only on demand would add its time to every update; `ReadAhead` reads the next
-items while the update runs. `ReadAhead.close` hands back, in order, what it read and
-nobody took (with the stream's error), promptly: a read still in progress finishes in
-its thread, which then ends, and its item follows (`Unread.rest`). `interrupts_deferred`
-makes a step that moves an item from one holder to another whole under Ctrl-C.
+The trainer waits for each update (to catch an out-of-memory in it), so a loader read on
+demand would add its time to every update. `interrupts_deferred` makes a step that moves
+an item from one holder to another whole under Ctrl-C.
 """
 
 from __future__ import annotations
@@ -94,17 +91,15 @@ def _read(
         if closing.is_set():  # `close` frees a slot to wake it
             return
         try:
-            item = next(iterator)
+            read = ("item", next(iterator))
         except StopIteration:
-            out.put(("end", None))
-            available.release()
-            return
+            read = ("end", None)
         except BaseException as exc:  # the stream's own error, raised where it is taken
-            out.put(("error", exc))
-            available.release()
-            return
-        out.put(("item", item))
+            read = ("error", exc)
+        out.put(read)
         available.release()
+        if read[0] != "item":
+            return
 
 
 class ReadAhead:

@@ -1,17 +1,8 @@
 """What a reader of a stream's iterator left in it, for the iterator's next reader.
 
-A reader that groups a stream (`jax_adaptive.Rebatcher` into batches of one size,
-`jax_adaptive.bucket_batches` into shape buckets) reads examples it has not yet yielded.
-They belong to the stream, not to the reader: when a ``fit`` stops after some updates
-and another ``fit`` reads the same iterator, the second must start with them, or they
-would be skipped. A `Left` keeps them with the iterator: weakly for an iterator that
-takes weak references (a generator: forgotten with it), and for one that does not (a
-list's, a ``map``) strongly while anything waits in it, the last few such iterators only.
-
-A `Feed` is one reader's way in: what an earlier reader read ahead and handed back
-first, then the iterator, read ahead in a background thread when asked to
-(`jax_adaptive.read_ahead.ReadAhead`); closing it hands back what it read and nobody
-took, for the next reader.
+A reader that groups a stream (`jax_adaptive.Rebatcher`, `jax_adaptive.bucket_batches`)
+reads examples it has not yet yielded. They belong to the stream: another ``fit`` on the
+same iterator must start with them, or they would be skipped.
 """
 
 from __future__ import annotations
@@ -31,18 +22,14 @@ T = TypeVar("T")
 class Left(Generic[T]):
     """Per source iterator, what its readers left in it (one kind of reader each).
 
+    Kept weakly for an iterator that takes weak references (a generator: forgotten with
+    it); for one that does not (a list's, a ``map``), held while anything waits in it,
+    the last ``held_max`` such iterators only.
+
     Args:
         make: makes an empty one (what a reader of a new iterator starts with); its
             truth value says whether anything waits in it.
         held_max: how many iterators without weak references to hold at once.
-
-    Examples:
-        >>> left = Left(list)
-        >>> it = iter([1, 2, 3])
-        >>> waiting = left.of(it)
-        >>> waiting.append(next(it)); left.keep(it, waiting)
-        >>> left.of(it), left.of(iter([1]))  # the same iterator, then another
-        ([1], [])
     """
 
     def __init__(self, make: Callable[[], T], held_max: int = 8):
@@ -75,11 +62,7 @@ class Left(Generic[T]):
             return held[1] if held is not None else self.make()
 
     def keep(self, iterator: Any, waiting: T) -> None:
-        """Keeps ``waiting`` with ``iterator`` from now on.
-
-        An iterator kept weakly needs nothing; one that takes no weak reference is held
-        (with ``waiting``) while anything waits in it.
-        """
+        """Keeps ``waiting`` with ``iterator`` from now on (see the class)."""
         try:
             if iterator in self._weak:
                 return
@@ -102,31 +85,15 @@ class _HandsBack(Protocol):
 class Feed:
     """A reader's items from a stream: those handed back first, then the iterator's.
 
-    The `Unread` items an earlier reader handed back come first, in order, then the
-    stream's error if it raised one while read ahead (raised here once), then the
-    iterator itself, read ahead in a background thread when ``read_ahead`` (at most that
-    many items read and not yet taken), or read when asked for. `close` stops the thread and
-    hands back what it read and nobody took, into ``left.unread``.
+    The `Unread` items an earlier reader handed back come first, then the stream's error
+    if it raised one while read ahead (raised here once), then the iterator, read ahead
+    in a background thread when ``read_ahead``. `close` stops the thread and hands back
+    what it read and nobody took, into ``left.unread``.
 
     Args:
         iterator: the stream's iterator (read in the thread only, once read ahead).
-        left: what the reader leaves in the stream (`Left`'s per-iterator object): its
-            ``unread`` is read first and receives what `close` hands back.
+        left: what the reader leaves in the stream (`Left`'s per-iterator object).
         read_ahead: how many items to read ahead (0: none).
-
-    Raises:
-        ValueError: for a ``read_ahead`` that is not an int >= 0.
-
-    Examples:
-        >>> class Waiting:
-        ...     unread = Unread([])
-        >>> it, left = iter(range(6)), Waiting()
-        >>> feed = Feed(it, left, read_ahead=2)
-        >>> next(feed), next(feed)
-        (0, 1)
-        >>> feed.close()  # what it read ahead and nobody took goes to left.unread
-        >>> list(Feed(it, left, read_ahead=0))  # the next reader: those first, then the iterator
-        [2, 3, 4, 5]
     """
 
     def __init__(self, iterator: Iterator[Any], left: _HandsBack, read_ahead: int):
