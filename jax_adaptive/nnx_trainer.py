@@ -18,26 +18,19 @@ __all__ = ["NnxTrainer"]
 class NnxTrainer:
     """Trains an ``nnx.Module`` in place with `AdaptiveTrainer`, from an optax optimizer.
 
-    Each `step` runs one exact update and writes the new parameters and BatchNorm
-    statistics (``nnx.BatchStat``) back into ``model``: the module is the trained model
-    after every step. The first `step` (or `init`) plans the micro-batch size on its
-    batch. The guide: docs/flax.md.
+    Each `step` runs one exact update and writes the parameters and the ``nnx.BatchStat``
+    statistics back into ``model``; the first (or `init`) plans on its batch (docs/flax.md).
 
     Args:
         model: the module to train; updated in place.
         optimizer: any ``optax.GradientTransformation``.
         target_batch_size: examples per optimizer update.
-        loss_fn: a per-example loss, taking the model state (``(params, model_state,
-            batch, rng) -> (output, model_state)``) when the model has ``nnx.BatchStat``
-            variables (pass ``has_aux`` to match); None: `nnx_classifier_loss` in
-            training mode (``batch["image"]``, ``batch["label"]``).
-        ghost_batch_size: BatchNorm over groups of this many examples
-            (`jax_adaptive.ghost_batches`, around ``loss_fn`` too: a loss given runs on
-            one group at a time); the trainer's ``multiple_of`` unless given. Only for a
-            model with ``nnx.BatchStat`` variables.
-        rng: the trainer's base key (Dropout and other randomness); ``key(0)`` if None.
-        **trainer_kwargs: `AdaptiveTrainer`'s other options (``micro_batch_size``,
-            ``memory_limit``, ``has_aux``, ...).
+        loss_fn: a per-example loss, taking the model state when the model has
+            ``nnx.BatchStat`` variables; None: `nnx_classifier_loss` in training mode.
+        ghost_batch_size: BatchNorm over groups of this many examples (around ``loss_fn``
+            too); the trainer's ``multiple_of`` unless given.
+        rng: the trainer's base key; ``key(0)`` if None.
+        **trainer_kwargs: `AdaptiveTrainer`'s other options.
 
     Attributes:
         trainer: the `AdaptiveTrainer` (its plan, ``search_log``, ``set_memory_limit``).
@@ -70,11 +63,8 @@ class NnxTrainer:
         self.model = model
         self.has_state = bool(nnx.state(model, nnx.BatchStat))
         if loss_fn is None:
-            loss_fn = nnx_classifier_loss(
-                model,
-                mutable=nnx.BatchStat if self.has_state else None,
-                ghost_batch_size=ghost_batch_size,
-            )
+            mutable = nnx.BatchStat if self.has_state else None
+            loss_fn = nnx_classifier_loss(model, mutable=mutable, ghost_batch_size=ghost_batch_size)
             trainer_kwargs.setdefault("has_aux", True)
         elif ghost_batch_size is not None:
             if not self.has_state:
@@ -86,12 +76,9 @@ class NnxTrainer:
         if ghost_batch_size is not None:
             trainer_kwargs.setdefault("multiple_of", ghost_batch_size)
         self.trainer = AdaptiveTrainer(
-            loss_fn,
-            optimizer,
-            target_batch_size=target_batch_size,
-            has_state=self.has_state,
+            loss_fn, optimizer, target_batch_size=target_batch_size, has_state=self.has_state,
             **trainer_kwargs,
-        )
+        )  # fmt: skip
         self.rng = jax.random.key(0) if rng is None else rng
         self.state: TrainState | None = None
 
@@ -107,12 +94,9 @@ class NnxTrainer:
             >>> int(trainer.init(batch).updates)
             0
         """
-        self.state = self.trainer.init(
-            nnx.state(self.model, nnx.Param),
-            example_batch,
-            rng=self.rng,
-            model_state=nnx.state(self.model, nnx.BatchStat) if self.has_state else (),
-        )
+        model_state = nnx.state(self.model, nnx.BatchStat) if self.has_state else ()
+        params = nnx.state(self.model, nnx.Param)
+        self.state = self.trainer.init(params, example_batch, rng=self.rng, model_state=model_state)
         return self.state
 
     def step(self, batch: Batch, *, weights: Any = None) -> dict[str, Any]:

@@ -1,8 +1,4 @@
-"""What a plan is: the size in use, the trials that decided it, and the arithmetic of both.
-
-`Plan` and `SizeTrial` are the values the trainers report; `least_padding_size` and
-`chunk_length` are the pure rules applied to the largest size that fits.
-"""
+"""What a plan is (`Plan`), the trials that decided it (`SizeTrial`), and its pure rules."""
 
 from __future__ import annotations
 
@@ -31,14 +27,12 @@ class SizeTrial(NamedTuple):
     Attributes:
         size: the micro-batch size.
         fits: the answer.
-        estimated_bytes: the ledger's total, the sum of the three parts below (None if
-            it did not compile).
+        estimated_bytes: the ledger's total (None if it did not compile).
         seconds: what deciding cost (compile, run).
         decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
-            ``"cache"`` (measured before), ``"compile"`` or ``"run"`` (compiling, or a
-            real run, ran out of memory), ``"learned"`` (above the capacity real
-            out-of-memory errors taught), ``"plan cache"`` (a run of the same job
-            stored it; its first run is still guarded).
+            ``"cache"`` (measured before), ``"compile"`` or ``"run"`` (either ran out of
+            memory), ``"learned"`` (above the capacity real runs taught) or ``"plan
+            cache"`` (a run of the same job stored it; its first run is still guarded).
         reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
         state_bytes: the `Ledger`'s ``state``.
         in_flight_bytes: its ``in_flight``.
@@ -72,9 +66,7 @@ class SizeTrial(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """The size in use and what it costs.
-
-    ``str(plan)`` says all of it in words.
+    """The size in use and what it costs; ``str(plan)`` says it in words.
 
     Attributes:
         micro_batch_size: the size.
@@ -82,15 +74,13 @@ class Plan(NamedTuple):
         ledger: the `Ledger` at the peak of an update's programs (None until measured:
             a fixed size or a cached plan before its first compile).
         capacity: the bytes it was planned under (None: unknown, a CPU with no limit).
-        chunk: micro-steps per dispatch (`chunk_length`; the ledger is the chunk's).
-        largest: the largest size that fits, which ``objective="least_padding"`` (the
-            default) trims to the least padding (None: not searched).
-        fused: whether the last program runs the optimizer step too (its ledger, the
-            new state beside the old, fits).
+        chunk: micro-steps per dispatch (`chunk_length`; the ledger is the chunk's);
+            None until the size's first update decides it, as ``fused``.
+        largest: the largest size that fits, which ``objective="least_padding"`` trims
+            to the least padding (None: not searched).
+        fused: whether the last program runs the optimizer step too (its ledger fits).
         source: ``"searched"``, ``"plan cache"``, ``"fixed"`` or ``"shrunk"`` (after an
             out-of-memory); None when unknown.
-
-    ``chunk`` and ``fused`` are None until the size's first update decides them.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)

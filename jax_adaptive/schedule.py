@@ -1,7 +1,6 @@
-"""Batch-size schedules: the target batch size from the updates applied so far.
+"""Batch-size schedules: the target batch size as a function of ``state.updates``.
 
-The size is a function of ``state.updates``, so a restored state goes on with the
-schedule where it left it. The guide: docs/schedules.md.
+A restored state goes on with the schedule where it left it (docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ import jax
 from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size, is_int
 
 __all__ = [
-    "BatchSchedule",
-    "ScheduleCursor",
-    "ScheduleSpec",
-    "batch_schedule",
-    "parse_batch_schedule",
-]
+    "BatchSchedule", "ScheduleCursor", "ScheduleSpec", "batch_schedule", "parse_batch_schedule"
+]  # fmt: skip
 
 ScheduleSpec: TypeAlias = "int | Callable[[int], int] | Sequence[tuple[int, int]] | BatchSchedule"
 
@@ -37,8 +32,7 @@ class BatchSchedule:
         steps: the ``(update, size)`` steps of a list spec, else None.
 
     Raises:
-        TypeError, ValueError: one line naming ``target_batch_size``, for a bad spec
-            (a callable's size, when called).
+        TypeError, ValueError: for a bad spec (a callable's size: when called).
 
     Examples:
         >>> schedule = BatchSchedule([(0, 64), (100, 256), (500, 1024)])
@@ -107,12 +101,7 @@ class ScheduleCursor:
     """Where a trainer is on its schedule: the update its next step makes, and its size.
 
     ``state.updates`` is read from the device only for a state the trainer did not
-    return itself, and never for a constant size.
-
-    Args:
-        schedule: the target batch size per update.
-        shards: the data shards; a size below it is refused (every device needs an
-            example).
+    return itself, and never for a constant size. A size below ``shards`` is refused.
 
     Attributes:
         next_update: the update the next step makes (of the last state seen).

@@ -1,7 +1,6 @@
 """A pure search for the largest size a monotone oracle ``fits(size) -> bool`` accepts.
 
-It knows nothing of memory or XLA: the sizing engine gives it an oracle that compiles
-and measures, and a ``propose`` (`jax_adaptive.memory.MemoryModel`) that guesses.
+It knows nothing of memory or XLA: the sizing engine gives it the oracle and the guesses.
 """
 
 from __future__ import annotations
@@ -64,9 +63,9 @@ def search_max_size(
         lo: the smallest size allowed.
         hi: the largest size allowed.
         multiple_of: every candidate is a multiple of this.
-        propose: ``propose(good, bad)``, given the largest size known to fit and the
-            smallest known not to (each or None), returns the next size to try or None;
-            a guess is rounded down to a multiple, and ignored outside the bracket.
+        propose: ``propose(good, bad) -> size or None``, from the largest size known to
+            fit and the smallest known not to (each or None); rounded down to a multiple,
+            ignored outside the bracket.
 
     Raises:
         NothingFitsError: when the smallest candidate does not fit.
@@ -97,9 +96,7 @@ def search_max_size(
         return ok
 
     def proposal(good: int, bad: int) -> int | None:
-        if propose is None:
-            return None
-        guess = propose(
+        guess = propose(  # type: ignore[misc]
             good * multiple_of if good >= first else None,
             bad * multiple_of if bad <= last else None,
         )
@@ -115,7 +112,7 @@ def search_max_size(
     good, bad = first - 1, last + 1
     while bad - good > 1:
         affordable = len(trials) + 1 + (bad - good - 2).bit_length() <= budget
-        k = proposal(good, bad) if affordable else None
+        k = proposal(good, bad) if affordable and propose is not None else None
         if k is None:
             # With no guess, try the largest candidate first, then bisect.
             k = last if bad == last + 1 and good == first - 1 else (good + bad) // 2

@@ -1,16 +1,11 @@
 """The one sizing engine: which sizes of a program fit the device, and which one to run.
 
-A client (the trainer's planner, `jax_adaptive.Evaluator`, `jax_adaptive.AdaptiveStep`)
-says what its program is for one input signature, as a `Sized`; `Sizing.bind` gives it
-that signature's `Binding`, kept for when the signature comes back. The engine owns,
-once for every client: the capacity (``memory_limit``, compared exactly, and a GPU's own
-less ``headroom`` and other arrays), each size's ledger from XLA's memory analysis
-(compiled once, measured once ever), the search guided by the memory model, the plan
-cache, the capacity a real out-of-memory teaches, and the shrink after one, retrying the
-smallest size a few times in a row (docs/memory.md, docs/recovery.md).
-
-Every trial is logged at INFO on the ``jax_adaptive`` logger, which writes to stderr by
-default; ``logging.getLogger("jax_adaptive").setLevel(logging.WARNING)`` silences it.
+A client (the planner, `jax_adaptive.Evaluator`, `jax_adaptive.AdaptiveStep`) describes
+its program for one input signature as a `Sized`; `Sizing.bind` gives it that
+signature's `Binding`, kept for when the signature comes back. The engine owns, for
+every client: the capacity, each size's ledger (compiled and measured once), the
+search, the plan cache, and the shrink after an out-of-memory (docs/memory.md,
+docs/recovery.md). Every trial is logged at INFO on the ``jax_adaptive`` logger.
 """
 
 from __future__ import annotations
@@ -78,9 +73,7 @@ class Executable(NamedTuple):
 def compile_measured(
     lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
 ) -> Executable:
-    """Compiles what ``lower()`` lowers, timed (lowering included), with XLA's memory report.
-
-    ``fault_hook.before_compile(size)`` runs first (it may make the compile fail).
+    """Compiles what ``lower()`` lowers, timed, with XLA's memory report (after ``fault_hook``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -99,15 +92,13 @@ class Sized(NamedTuple):
     """What a client says of the program it sizes, for one input signature.
 
     Attributes:
-        lower: ``size -> jax.stages.Lowered`` (the user's code traces here; its errors
-            propagate as themselves).
+        lower: ``size -> jax.stages.Lowered`` (the user's code traces here).
         resident: bytes live whatever the size (counted whole, read or not).
         inputs: ``size -> bytes`` each call transfers.
-        key: ``() -> {name: value}``: what besides the device, the limits and the code
-            decides the plan (the plan cache's key).
+        key: ``() -> {name: value}``: the plan cache key's parts besides the device,
+            the limits and the code.
         in_flight: calls dispatched at once (each holds inputs, outputs, temporaries).
-        off_line: a size whose peak lies off the others' line (a micro-batched step at
-            the whole batch runs no loop), left out of the memory model's guesses.
+        off_line: a size whose peak lies off the others' line, left out of the guesses.
         prior: a predicted ``(intercept, slope)`` of the peak against the size.
         fingerprint_at: ``() -> size`` whose lowered text fingerprints the program.
     """
@@ -131,7 +122,7 @@ class Binding:
         size: the size in use (None before `use`).
         largest: the largest size found to fit (None before a search).
         plans: the client's own memory of plans, by what decided them.
-        learned_cap: the capacity real out-of-memory errors taught (None: none yet).
+        learned_cap: the capacity real out-of-memory errors taught, or None.
     """
 
     def __init__(self, engine: Sizing, sized: Sized):
@@ -175,14 +166,11 @@ class Binding:
     def ledger(self, size: int) -> Ledger:
         """Everything live on the device while the program at ``size`` runs (measured once)."""
         if size not in self._ledgers:
-            s = self.sized
-            self._ledgers[size] = program_ledger(
-                self.executable(size).report,
-                resident=s.resident,
-                inputs=s.inputs(size),
-                in_flight=s.in_flight,
-            )
-            self.memory_model.add(size, self._ledgers[size].total)
+            s, report = self.sized, self.executable(size).report
+            ledger = program_ledger(report, resident=s.resident, inputs=s.inputs(size),
+                                    in_flight=s.in_flight)  # fmt: skip
+            self._ledgers[size] = ledger
+            self.memory_model.add(size, ledger.total)
         return self._ledgers[size]
 
     def compiled_sizes(self) -> list[int]:
@@ -211,8 +199,8 @@ class Binding:
     def fits(self, size: int, reason: str) -> bool:
         """Decides one size (compiled once ever) and records the trial.
 
-        It fails when compiling it runs out of memory, or its ledger exceeds the
-        capacity or the capacity learned from real runs.
+        It fails when compiling runs out of memory, or its ledger exceeds the capacity
+        or the one real runs taught.
         """
         start = time.perf_counter()
         measured = size in self._ledgers
@@ -226,9 +214,8 @@ class Binding:
                 error = "above the capacity"
             elif self.learned_cap is not None and ledger.total > self.learned_cap:
                 decided, error = "learned", "above the capacity learned from real runs"
-        self.engine.record(
-            size, error is None, ledger, time.perf_counter() - start, decided, reason
-        )
+        seconds = time.perf_counter() - start
+        self.engine.record(size, error is None, ledger, seconds, decided, reason)
         return error is None
 
     def largest_fitting(
@@ -281,12 +268,8 @@ class Binding:
         needed, capacity = self.peak(size), self.guide_capacity()
         need = "?" if needed is None else f"{needed:,}"
         have = "fewer" if capacity is None else f"{capacity:,}"
-        what = f"the {self.engine.what} {size}"
-        return NothingFitsError(
-            size,
-            trials,
-            detail=detail or f"{what} needs {need} bytes (estimate) and {have} bytes are available",
-        )
+        said = f"the {self.engine.what} {size} needs {need} bytes (estimate) and {have} bytes"
+        return NothingFitsError(size, trials, detail=detail or f"{said} are available")
 
     # ------------------------------------------------------------ the plan cache
 
@@ -296,17 +279,13 @@ class Binding:
             size = self.sized.fingerprint_at()
             lowered = self.lower(size) or self.sized.lower(size)
             self._fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-        device = self.engine.device
+        device, engine = self.engine.device, self.engine
         return plan_key(
-            platform=device.platform,
-            device_kind=device.device_kind,
-            device_capacity=device_capacity(device),
-            memory_limit=self.engine.memory_limit,
-            headroom=self.engine.headroom,
-            program=self._fingerprint,
-            jax=jax.__version__,
+            platform=device.platform, device_kind=device.device_kind,
+            device_capacity=device_capacity(device), memory_limit=engine.memory_limit,
+            headroom=engine.headroom, program=self._fingerprint, jax=jax.__version__,
             **self.sized.key(),
-        )
+        )  # fmt: skip
 
     def cached(self, bound: int, reason: str) -> int | None:
         """The size a run of the same job stored, up to ``bound`` (recorded), or None."""
@@ -324,9 +303,8 @@ class Binding:
         """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``."""
         if self.engine.plan_cache is not None:
             plan = {"micro_batch_size": size, "estimated_bytes": self.peak(size)}
-            self.engine.plan_cache.put(
-                self.key(), {**plan, "capacity": self.engine.capacity(), **entry}
-            )
+            plan["capacity"] = self.engine.capacity()
+            self.engine.plan_cache.put(self.key(), {**plan, **entry})
 
     # ------------------------------------------------------------ out of memory
 
@@ -355,14 +333,11 @@ class Binding:
         since `start`, halfway down to the resident bytes after
         (`jax_adaptive.memory.learned_capacity`).
         """
-        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
-        peak = self.peak(size)
-        self.engine.record(
-            size, False, self._ledgers.get(size), 0.0, "run" if real else "estimate", reason
-        )
-        log.warning(
-            "%s %d ran out of memory (%s)", self.engine.what, size, "real" if real else "simulated"
-        )
+        real, peak = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory), self.peak(size)
+        decided = "run" if real else "estimate"
+        self.engine.record(size, False, self._ledgers.get(size), 0.0, decided, reason)
+        kind = "real" if real else "simulated"
+        log.warning("%s %d ran out of memory (%s)", self.engine.what, size, kind)
         self._streak += 1
         if real and peak is not None:
             self._real_ooms += 1
@@ -479,10 +454,7 @@ class Sizing:
         self, size: int, fits: bool, ledger: Ledger | int | None, seconds: float,
         decided_by: DecidedBy, reason: str,
     ) -> SizeTrial:  # fmt: skip
-        """Appends a `jax_adaptive.SizeTrial` to ``search_log`` and logs it at INFO.
-
-        ``ledger``: the size's `jax_adaptive.memory.Ledger`, its total alone, or None.
-        """
+        """Appends a `jax_adaptive.SizeTrial` (of a `Ledger`, its total, or None) and logs it."""
         parts = (
             (ledger.state, ledger.in_flight, ledger.program) if isinstance(ledger, Ledger) else ()
         )

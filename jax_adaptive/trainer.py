@@ -1,9 +1,7 @@
 """AdaptiveTrainer: a thin facade over the sizing engine, the programs, the plan, the update.
 
-`jax_adaptive.sizing` decides which micro-batch sizes fit, `jax_adaptive.executables`
-lowers the programs, `jax_adaptive.planner` says which size to run and
-`jax_adaptive.update` runs one exact update; the trainer checks its arguments, places
-the state and wires them together. The guide is docs/trainer.md.
+It checks its arguments, places the state and wires `jax_adaptive.sizing`,
+`jax_adaptive.executables`, `jax_adaptive.planner` and `jax_adaptive.update` together.
 """
 
 from __future__ import annotations
@@ -45,46 +43,32 @@ def _reads(path: str, doc: str) -> property:
 class AdaptiveTrainer:
     """Trains at a target batch size (fixed or scheduled) through the largest micro-batch that fits.
 
+    Each option at length: docs/trainer.md.
+
     Args:
-        loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example;
-            with ``has_aux`` ``(losses, aux)``, aux a dict of per-example metrics; with
-            ``has_state`` ``(params, model_state, batch, rng) -> (that, new_model_state)``.
+        loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example.
         optimizer: any ``optax.GradientTransformation``, applied once per target batch.
         target_batch_size: examples per update: a positive int, or a schedule over
-            ``state.updates`` (a callable ``updates -> int``, ``(update, size)`` steps
-            such as ``[(0, 64), (100, 256)]``, a `jax_adaptive.schedule.BatchSchedule`);
-            one compile per micro-batch size serves every size (docs/schedules.md).
-        micro_batch_size: ``"auto"`` (the largest that fits) or a fixed int, used as
-            given (capped by a smaller scheduled size): its out-of-memory propagates.
-        memory_limit: bytes of a device that must hold everything live while a
-            micro-step runs (`ledger`); on a CPU it simulates that device exactly.
-        has_aux: ``loss_fn`` also returns per-example metrics, reported as means.
-        has_state: ``loss_fn`` threads model state (Flax ``batch_stats``) in order.
+            ``state.updates`` (docs/schedules.md).
+        micro_batch_size: ``"auto"`` (the largest that fits) or a fixed int.
+        memory_limit: bytes of the device (on a CPU, a simulated one): docs/memory.md.
+        has_aux: ``loss_fn`` returns ``(losses, aux)``, aux a dict of per-example metrics.
+        has_state: ``loss_fn`` is ``(params, model_state, batch, rng) -> (out, model_state)``.
         headroom: the share of a device's real capacity left unused (not of the limit).
-        grow: when to try a larger size at an update boundary: ``"never"``,
-            ``"on_limit_change"`` (after the limit was raised) or every ``N`` updates.
+        grow: ``"never"``, ``"on_limit_change"`` or every ``N`` updates: when to grow.
         oom_retries: real out-of-memory errors in a row retried at the smallest size.
         multiple_of: search multiples of this (a smaller size only when none fits).
-        plan_cache: where the size found is remembered for a second run: None for the
-            default file (``JAX_ADAPTIVE_PLAN_CACHE=off`` turns it off), False for none,
-            a path or a `jax_adaptive.PlanCache`.
-        objective: ``"least_padding"`` (the fewest micro-steps the largest size allows,
-            with the least padding), ``"max"`` (the largest size) or ``"throughput"``
-            (the fastest of those candidates, timed at ``init``: `throughput_log`).
-        chunk: micro-steps per dispatch, scanned in one program: ``"auto"`` (as many as
-            the capacity allows, a whole update at most) or the most per dispatch;
-            the last program runs the optimizer step too when it fits (`Plan.fused`).
-        device: the device to train on (the first local one by default), without a mesh.
-        mesh: a ``jax.sharding.Mesh`` (`jax_adaptive.data_mesh`) to train data parallel
-            over ``data_axis`` (docs/devices.md).
+        plan_cache: None (the default file), False (none), a path or a `PlanCache`.
+        objective: ``"least_padding"``, ``"max"`` or ``"throughput"``.
+        chunk: ``"auto"`` or the most micro-steps per dispatch.
+        device: the device to train on without a mesh (the first local one by default).
+        mesh: a ``jax.sharding.Mesh`` to train data parallel over (docs/devices.md).
         data_axis: the mesh axis the micro-batch is split over.
         param_sharding: ``PartitionSpec``s for (a prefix of) the parameters, with a mesh.
-        in_flight: programs dispatched and not finished at once (each in the ledger).
-        memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the
-            size (`jax_adaptive.memory.predict_line`), guiding the first compiles.
-        sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (one device,
-            limit, plan cache and search log); ``memory_limit``, ``headroom``,
-            ``plan_cache`` and ``oom_retries`` are then its own.
+        in_flight: programs dispatched and not finished at once.
+        memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the size.
+        sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers, whose
+            ``memory_limit``, ``headroom``, ``plan_cache`` and ``oom_retries`` count.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -237,8 +221,7 @@ class AdaptiveTrainer:
         """Builds the train state on the device and plans the micro-batch size.
 
         ``example_batch`` (any leading size) gives one example's shapes; ``rng`` is the
-        base key (``jax.random.key(0)``); ``model_state`` the mutable collections of
-        ``has_state``. Raises `jax_adaptive.NothingFitsError` when not even 1 fits.
+        base key (``key(0)``); ``model_state`` ``has_state``'s. Raises `NothingFitsError`.
         """
         leading_size(example_batch, "example_batch")
         rng = jax.random.key(0) if rng is None else rng
@@ -251,9 +234,8 @@ class AdaptiveTrainer:
     def plan(self, state: TrainState, example_batch: Batch) -> None:
         """Plans the micro-batch size for an existing train state (placed as `init` places one).
 
-        To share one state between trainers that see other input shapes, or to plan
-        for another example shape. For shapes already planned (a restored state) the
-        plan holds, followed to the state's target batch size: nothing is compiled.
+        For another example shape, or a state shared between trainers; for shapes
+        already planned (a restored state) the plan holds: nothing is compiled.
 
         Raises:
             NothingFitsError: when even the smallest micro-batch does not fit.
@@ -279,9 +261,7 @@ class AdaptiveTrainer:
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).
 
-        With ``with_optimizer_step``, the update's last program: those micro-steps, then
-        the optimizer step, returning ``(params, opt_state, model_state, means)``
-        (`jax_adaptive.step.with_optimizer_step`).
+        With ``with_optimizer_step``, the update's last program: then the optimizer step.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -297,9 +277,7 @@ class AdaptiveTrainer:
         return self._executables.micro(size, chunk).compiled
 
     def ledger(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Ledger:
-        """Everything live on the device while `compile`'s program runs, by part.
-
-        What the capacity is compared with (docs/memory.md).
+        """Everything live on the device while `compile`'s program runs, by part (docs/memory.md).
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -319,10 +297,7 @@ class AdaptiveTrainer:
         return self._planner.capacity()
 
     def set_memory_limit(self, memory_limit: int | None) -> None:
-        """Changes the device's bytes from the next step on.
-
-        A lower limit shrinks the micro-batch there, as an out-of-memory would; a
-        higher one lets it grow (``grow``); the chunk is decided again either way.
+        """Changes the device's bytes from the next step on: lower shrinks, higher may grow.
 
         Examples:
             >>> import optax, jax_adaptive as ja
@@ -336,10 +311,9 @@ class AdaptiveTrainer:
     def step(
         self, state: TrainState, batch: Batch, *, weights: Any = None
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Runs one exact optimizer update on ``target_batch_size`` examples.
+        """Runs one exact optimizer update on ``target_batch_size`` examples (at ``state.updates``).
 
-        The size is the schedule's at ``state.updates``. The state's accumulator is
-        donated: use the returned state.
+        The state's accumulator is donated: use the returned state.
 
         Args:
             state: the current `TrainState`.
@@ -373,11 +347,7 @@ class AdaptiveTrainer:
         return out
 
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
-        """The `jax_adaptive.Evaluator` kept for ``metric_fn`` (pass the same function each time).
-
-        It shares the trainer's device, limit, headroom and plan cache
-        (`jax_adaptive.evaluate.TrainerEvaluations`).
-        """
+        """The `Evaluator` kept for ``metric_fn``, sharing the trainer's device, limit and cache."""
         return self._evaluations.evaluator(metric_fn)
 
     def evaluate(
@@ -385,9 +355,7 @@ class AdaptiveTrainer:
     ) -> Any:
         """Evaluates ``metric_fn`` over ``data`` at the largest batch that fits beside the state.
 
-        An out-of-memory shrinks the evaluation batch only, never training's
-        (docs/evaluation.md). Under a mesh it runs on this process's first device, on a
-        copy of the parameters.
+        An out-of-memory shrinks the evaluation batch only (docs/evaluation.md).
 
         Args:
             state: the `TrainState` (left as it is).
@@ -426,9 +394,7 @@ class AdaptiveTrainer:
     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """Trains on a stream of batches of any leading size, ``target_batch_size`` per update.
 
-        Nothing is lost (docs/recovery.md): examples read and not trained on stay with
-        the stream's iterator, so ``fit(state, it)`` goes on with the next one; an
-        optimizer step that runs out of memory runs again from the state it kept.
+        Examples read and not trained on stay with the iterator (docs/recovery.md).
 
         Args:
             state: the current `TrainState`.
@@ -436,8 +402,7 @@ class AdaptiveTrainer:
             num_updates: how many updates; None until the stream ends.
             progress: show a progress bar.
             on_update: ``on_update(update, metrics)`` after each update.
-            eval_every: evaluate ``metric_fn`` over ``eval_data`` (`evaluate`) every this
-                many updates and after the last, into ``eval_<name>`` metrics.
+            eval_every: `evaluate` every this many updates and after the last (``eval_*``).
             eval_data: one batch, a list of batches, or a callable giving a fresh one.
             metric_fn: the per-example metrics, as `evaluate` takes them.
             read_ahead: batches a background thread reads while updates run (0: none).
@@ -458,11 +423,6 @@ class AdaptiveTrainer:
             >>> state, history = trainer.fit(state, stream)
             >>> len(history), [h["examples"] for h in history]
             (2, [8, 8])
-            >>> error = lambda p, b: {"error": (b * p - 1) ** 2}  # evaluated every update
-            >>> state, history = trainer.fit(state, [np.ones(8, np.float32)], eval_every=1,
-            ...                              eval_data=np.ones(3, np.float32), metric_fn=error)
-            >>> sorted(history[0])[:3], history[0]["eval_examples"]
-            (['accumulation_steps', 'eval_error', 'eval_examples'], 3)
         """
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
