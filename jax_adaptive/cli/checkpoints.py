@@ -1,8 +1,7 @@
 """A run's orbax checkpoints: the train state, the data position and what defines the run.
 
-Each checkpoint records a SHA-256 of its arrays, update and data position. Only one whose
-contents fail an integrity check is moved aside (to ``<directory>-damaged/``, with a
-warning); any other error while reading one propagates and leaves it in place.
+Only a checkpoint whose contents fail an integrity check (its SHA-256, a missing or empty
+file) is moved aside, to ``<directory>-damaged/``; any other error propagates.
 """
 
 from __future__ import annotations
@@ -78,12 +77,6 @@ def damage(exc: BaseException) -> str | None:
 
 
 def _differs(key: str, there: Any, now: Any) -> str:
-    """A field on which a checkpoint's run and this one differ, as the user sets it.
-
-    Examples:
-        >>> _differs("learning_rate", 0.003, 0.1)
-        '--learning-rate 0.003 there, 0.1 now'
-    """
     if key == "ghost_batch_size":  # no flag of its own
         return (f"BatchNorm's ghost batch size {there} there, {now} now, which "
                 "--target-batch-size, --batch-schedule and --micro-batch-size set")  # fmt: skip
@@ -98,7 +91,7 @@ class Checkpoints:
         run: what defines the training; a checkpoint of another is refused.
         max_to_keep: how many to keep.
         examples_per_update: the data position after an update: times the update, or
-            called with it (a schedule's ``examples_before``); None: not checked.
+            called with it; None: not checked.
 
     Examples:
         >>> import tempfile, optax
@@ -150,9 +143,8 @@ class Checkpoints:
     def restore(self, like: TrainState) -> tuple[TrainState, int] | None:
         """The newest intact ``(state, data position)``, placed like ``like``; None: none.
 
-        A damaged checkpoint is moved aside with a warning and the one before tried. A
-        checkpoint of another training or structure, or none intact left of some, is a
-        one-line `ValueError`.
+        A damaged checkpoint is moved aside with a warning and the one before tried; one
+        of another training or structure, or none intact left, is a one-line `ValueError`.
         """
         self._manager.wait_until_finished()
         for update in sorted(self._manager.all_steps(), reverse=True):

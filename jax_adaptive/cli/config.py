@@ -1,8 +1,4 @@
-"""What a command-line run trains: `TrainConfig` (one field per flag) and its checks.
-
-`check_config` refuses, in one line naming the flag, a config no path can run, before
-anything is built; `load_factory` imports ``--model package.module:factory``.
-"""
+"""What a command-line run trains: `TrainConfig` (one field per flag) and its checks."""
 
 from __future__ import annotations
 
@@ -161,10 +157,8 @@ def check_config(config: TrainConfig) -> None:
     if config.target_tokens is not None:
         check("--target-tokens", config.target_tokens, **t_max)
     check("--max-length", config.max_length)
-    for flag, path in (
-        ("--workdir", config.workdir),
-        ("--compilation-cache", config.compilation_cache),
-    ):
+    paths = {"--workdir": config.workdir, "--compilation-cache": config.compilation_cache}
+    for flag, path in paths.items():
         _refuse(
             (path is not None and any(c in path for c in "*?[]"),
              f"{flag} {path!r} must not hold *, ?, [ or ] (orbax reads them as patterns)."),
@@ -195,11 +189,7 @@ def _refuse(*checks: tuple[bool, str]) -> None:
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
-    """The factory ``--model package.module:factory`` names, imported (one-line errors).
-
-    Raises:
-        ValueError: naming ``--model``, when the module cannot be imported (its error as
-            ``__cause__``) or holds no such callable.
+    """The factory ``--model package.module:factory`` names, imported; else a one-line `ValueError`.
 
     Examples:
         >>> load_factory("jax_adaptive.models:CNN").__name__
@@ -227,11 +217,5 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """The optax optimizer the config names, at its learning rate.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> make_optimizer(TrainConfig(optimizer="sgd")).init({"w": jnp.ones(2)})
-        (EmptyState(), EmptyState())
-    """
+    """The optax optimizer the config names, at its learning rate."""
     return _OPTIMIZERS[config.optimizer](config.learning_rate)

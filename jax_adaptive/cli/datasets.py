@@ -1,9 +1,4 @@
-"""The command line's data: random-access sources and a resumable shuffled stream.
-
-A source has ``len`` and integer indexing giving one example, a dict of arrays: the
-synthetic images, or a prepared TFDS dataset read through ``tfds.data_source``
-(array_record, no TensorFlow; the ``tfds`` extra installs it).
-"""
+"""The command line's data: random-access sources (synthetic, TFDS) and a resumable stream."""
 
 from __future__ import annotations
 
@@ -106,8 +101,6 @@ def load_held_out(
 ) -> dict[str, np.ndarray]:
     """Every held-out example as one batch: ``tfds:NAME``'s test split, or new synthetic ones.
 
-    The synthetic ones come from a seed no training seed takes (``2**63 + seed``).
-
     Examples:
         >>> held_out, train = load_held_out("synthetic"), load_source("synthetic")
         >>> held_out["image"].shape, bool((held_out["image"][0] != train[0]["image"]).any())
@@ -131,10 +124,7 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 class ShuffledBatches:
-    """Batches from a source in a seeded order per epoch, resumable at an example index.
-
-    Epoch ``e`` visits the examples in the permutation drawn from ``(seed, e)``;
-    ``position`` counts the examples drawn, and ``start`` skips that many.
+    """Batches in the permutation of ``(seed, epoch)``; ``position`` counts examples drawn.
 
     Examples:
         >>> batches = ShuffledBatches(SyntheticSource(10), 4, seed=1, start=8)

@@ -1,8 +1,4 @@
-"""The command line's optional dependencies: one line saying which extra installs one.
-
-``--dataset tfds:NAME`` needs the ``tfds`` extra (tensorflow-datasets) and
-``python -m jax_adaptive.report`` the ``report`` extra (matplotlib).
-"""
+"""The command line's optional dependencies (tfds, matplotlib): one line saying which extra."""
 
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ __all__ = ["import_extra"]
 
 def import_extra(module: str, extra: str, what: str) -> ModuleType:
     """``module`` imported, or a one-line `ValueError` saying which extra ``what`` needs.
-
-    An error raised while importing an installed module propagates as it is.
 
     Examples:
         >>> import_extra("json", "none", "the example").__name__

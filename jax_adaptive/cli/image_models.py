@@ -1,8 +1,4 @@
-"""The command line's image models: the zoo's, or a user's ``package.module:factory``.
-
-A zoo model with BatchNorm computes its statistics over ghost batches of a fixed size,
-so that its training is the same on any device.
-"""
+"""The command line's image models: the zoo's, or a user's ``package.module:factory``."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ def ghost_batch_size(config: TrainConfig) -> int | None:
     """The ghost batch of a zoo model with BatchNorm: the same training on any device.
 
     The largest divisor of `GHOST_BATCH_SIZE` that divides every target batch and a fixed
-    micro-batch, at least 8; else None (per-micro-batch statistics), as for a model
-    without BatchNorm, a user's, or a data-parallel run (a group would sit on one device).
+    micro-batch, at least 8; else None, as for other models or a data-parallel run.
 
     Examples:
         >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
@@ -49,15 +44,10 @@ def ghost_batch_size(config: TrainConfig) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class ImageModel:
-    """An image classifier as the image path trains and evaluates it.
+    """An image classifier as the image path trains (``loss_fn``) and evaluates (``metric_fn``).
 
-    Attributes:
-        module: the Flax linen module (images ``[m, H, W, C]`` to logits).
-        mutable: the collections training updates (``batch_stats``), or ``()``.
-        loss_fn: the trainer's per-example loss, accuracy as aux.
-        metric_fn: held-out per-example ``loss`` and ``accuracy`` in evaluation mode.
-        init_kwargs: keyword arguments of ``module.init`` besides the images.
-        ghost: the ghost batch of its BatchNorm, or None.
+    ``mutable``: the collections training updates; ``init_kwargs``: ``module.init``'s
+    besides the images; ``ghost``: the ghost batch of its BatchNorm, or None.
     """
 
     module: nn.Module
@@ -71,9 +61,8 @@ class ImageModel:
 def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageModel:
     """The zoo model ``config.model`` names, or a user's from ``package.module:factory``.
 
-    ``factory(num_classes)`` returns ``(module, loss(logits, labels) -> losses [m])``,
-    checked on ``example``: a breach is one line naming ``--model`` (its error the
-    ``__cause__``).
+    ``factory(num_classes) -> (module, loss(logits, labels) -> losses [m])`` is checked
+    on ``example``: a breach is one line naming ``--model``.
 
     Examples:
         >>> from jax_adaptive.cli.datasets import SyntheticSource

@@ -1,9 +1,4 @@
-"""The command line's image path: a zoo or user's image model on synthetic images or TFDS.
-
-`train_images` builds the model and an `AdaptiveTrainer`, simulates a small device on a
-CPU with no memory limit, plans, resumes from the workdir's latest checkpoint when asked
-and trains through `jax_adaptive.cli.run.RunHooks`, evaluating the held-out split.
-"""
+"""The command line's image path: a zoo or user's image model on synthetic images or TFDS."""
 
 from __future__ import annotations
 
@@ -40,10 +35,8 @@ def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_sta
                   example: Any, out: TextIO) -> int | None:  # fmt: skip
     """``--memory-limit``, or a small device simulated on a CPU (``auto``, no limit).
 
-    A probe (no plan cache) measures the ledger of the smallest micro-batch the plan
-    allows and of the whole (largest) target batch: the device holds the first and a
-    `SIMULATED_SHARE`-th of the difference, and at least the train state beside the first
-    (the optimizer step holds the state twice).
+    It holds the smallest size's ledger and a `SIMULATED_SHARE`-th of the rest of the
+    largest target batch's, and at least the state beside the first (the optimizer step).
     """
     cpu = jax.devices()[0].platform == "cpu"
     if not (config.simulate_device and config.memory_limit is None and cpu
@@ -211,18 +204,7 @@ def _updates_in(examples: float, schedule: BatchSchedule) -> int:
 
 
 def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains an image model as configured; prints the plan, each update and a summary.
-
-    Returns:
-        A summary: the plan, the search cost and the loss of each update.
-
-    Examples:
-        >>> import io
-        >>> config = TrainConfig(model="mlp", target_batch_size=8, updates=2, progress=False)
-        >>> summary = train_images(config, out=io.StringIO())
-        >>> summary["micro_batch_size"], len(summary["losses"])
-        (8, 2)
-    """
+    """Trains an image model as configured (`jax_adaptive.cli.main.train`): a summary."""
     check_config(config)
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     if config.batch_schedule is not None:

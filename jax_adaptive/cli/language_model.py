@@ -1,10 +1,7 @@
-"""The command line's language-model path: ``python -m jax_adaptive.train --model gpt``.
+"""``--model gpt``: the zoo's small GPT on synthetic sequences through a `BucketedTrainer`.
 
-The zoo's small GPT trains on synthetic sequences of log-normal lengths through a
-`BucketedTrainer` (power-of-two buckets up to ``--max-length``, ``--target-tokens``
-padded tokens per update, each bucket planned on its first use). A checkpoint holds the
-sequences read; ``--resume`` draws the stream again and buckets it again up to the
-checkpoint's update, so the sequences that waited in partly filled buckets wait again.
+A checkpoint holds the sequences read; ``--resume`` draws and buckets the stream again
+up to its update (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -44,8 +41,8 @@ def _stream(
 ) -> Iterator[tuple[BucketBatch, int]]:
     """Each update's bucket batch from update ``done + 1`` on, with the sequences read by then.
 
-    The first ``done`` updates' batches are formed again and skipped; the sequences they
-    read must be the checkpoint's ``position``, else the stream is another.
+    The first ``done`` updates' batches are formed again, skipped, and must have read
+    the checkpoint's ``position``.
 
     Examples:
         >>> import itertools

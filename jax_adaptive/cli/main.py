@@ -1,8 +1,4 @@
-"""The command line, ``python -m jax_adaptive.train``: the flags, `main` and `train`.
-
-`main` parses the flags into a `TrainConfig` and calls `train`, which tests call too.
-docs/cli.md is its guide.
-"""
+"""``python -m jax_adaptive.train``: `main` parses the flags into a `TrainConfig` for `train`."""
 
 from __future__ import annotations
 
@@ -66,11 +62,7 @@ def parse_bytes(text: str) -> int:
 
 
 def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains as configured (``gpt``, or an image model) and prints what it does.
-
-    Prints the plan, each update, a line whenever the plan changes, the held-out
-    evaluations and a summary; with ``workdir``, writes ``plan.json``, ``metrics.jsonl``
-    and checkpoints, and ``resume`` goes on from the latest one.
+    """Trains as configured (``gpt``, or an image model) and prints what it does (docs/cli.md).
 
     Returns:
         A summary: the plan, the search cost and the loss of each update.

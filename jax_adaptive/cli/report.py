@@ -1,10 +1,4 @@
-"""``python -m jax_adaptive.report WORKDIR``: plots of a run from its workdir.
-
-``search_trace.png``: for each plan in ``plan.json`` (a panel per bucket of ``--model
-gpt``), each size tried, its estimated bytes, fits or out of memory, and the limit.
-``loss.png``: each update's loss (a series per bucket) and the held-out loss. Needs the
-``report`` extra (matplotlib).
-"""
+"""``python -m jax_adaptive.report WORKDIR``: ``search_trace.png`` and ``loss.png`` of a run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""What a command-line run adds to `jax_adaptive.loop.fit_loop`, the one host loop.
-
-Both paths train through it (batches read ahead, an optimizer step that ran out of memory
-retried, any other error a `jax_adaptive.FitError` holding the last good state).
-"""
+"""What a command-line run (either path) adds to `jax_adaptive.loop.fit_loop`, the one host loop."""
 
 from __future__ import annotations
 
@@ -30,12 +26,7 @@ Step = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
 
 def plural(count: int, noun: str) -> str:
-    """``count`` and ``noun``, an ``s`` added unless it is 1.
-
-    Examples:
-        >>> plural(1, "size"), plural(4, "update")
-        ('1 size', '4 updates')
-    """
+    """``count`` and ``noun``, an ``s`` added unless it is 1: ``plural(4, "update")``."""
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
@@ -132,8 +123,7 @@ class RunHooks:
     def run(self, step: Step, state: TrainState, drawn: Iterable[tuple[Any, int]]) -> TrainState:
         """Runs updates ``done + 1`` to ``updates`` on ``drawn``: (batch, position after it).
 
-        ``step(state, batch)`` gives the new state and host metrics (``loss``,
-        ``examples``, ``micro_batch_size``, ``accumulation_steps``). A `FitError` or
+        ``step(state, batch)`` gives the new state and host metrics. A `FitError` or
         KeyboardInterrupt checkpoints the last update logged before it propagates.
         """
         if self.workdir is not None:
@@ -169,9 +159,8 @@ class RunHooks:
     def after_update(self, update: int, state: TrainState, metrics: dict[str, Any]) -> dict:
         """Evaluates when due, then logs the line, writes the plans and checkpoints when due.
 
-        A non-finite loss stops the run first (unless allowed): nothing of its update is
-        logged or checkpointed. The line is logged before its checkpoint: a run killed
-        between them redoes the update, whose line `Workdir.start` drops.
+        A non-finite loss stops the run first (unless allowed). The line is logged before
+        its checkpoint: a run killed between them redoes the update (`Workdir.start`).
         """
         if not (self.config.allow_nonfinite or math.isfinite(metrics["loss"])):
             raise ValueError(
@@ -222,10 +211,7 @@ class RunHooks:
         )
 
     def timing(self) -> dict[str, Any]:
-        """The run's speed: steady (the updates after the first that compiled nothing), mean.
-
-        ``speed`` says it in words; ``steady_per_s`` is None without a steady update.
-        """
+        """``steady_per_s`` (None if no later update compiled nothing), the mean, ``speed``."""
 
         def rate(lines: list[dict[str, Any]]) -> float | None:
             seconds = sum(line["seconds"] for line in lines)
@@ -268,12 +254,6 @@ def run_path(
     """Runs ``train(config, workdir or None, out)`` and prints its summary line.
 
     ``run`` and ``examples_per_update`` are what a checkpoint must match (`Workdir`).
-
-    Examples:
-        >>> import io
-        >>> run_path(TrainConfig(), lambda c, w, o: {"losses": []}, lambda s: "done",
-        ...          out=io.StringIO())
-        {'losses': []}
     """
     out = out or sys.stdout
     workdir = contextlib.nullcontext() if config.workdir is None else Workdir(

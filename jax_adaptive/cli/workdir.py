@@ -1,8 +1,6 @@
-"""A run's directory: ``plan.json``, ``metrics.jsonl`` and its checkpoints.
+"""A run's directory: ``plan.json``, ``metrics.jsonl`` (one line per update) and checkpoints.
 
-``plan.json`` is ``{"config", "plans", "search_seconds"}`` with a `plan_entry` per trainer
-(``"bucket": null`` on the image path, one per bucket planned for ``--model gpt``);
-``metrics.jsonl`` holds one line per update, however often a resumed run redid it.
+``plan.json`` is ``{"config", "plans", "search_seconds"}``, a `plan_entry` per trainer.
 """
 
 from __future__ import annotations
@@ -24,17 +22,7 @@ __all__ = ["Workdir", "plan_entry"]
 
 
 def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict[str, Any]:
-    """One trainer's plan as ``plan.json`` holds it, with every size it tried.
-
-    Examples:
-        >>> import jax.numpy as jnp, numpy as np, optax
-        >>> trainer = AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
-        ...                           target_batch_size=8, micro_batch_size=4)
-        >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
-        >>> entry = plan_entry(trainer)
-        >>> entry["bucket"], entry["micro_batch_size"], entry["accumulation_steps"]
-        (None, 4, 2)
-    """
+    """One trainer's plan as ``plan.json`` holds it, with every size it tried."""
     return {
         "bucket": bucket,
         "micro_batch_size": trainer.micro_batch_size,
@@ -56,8 +44,8 @@ class Workdir(contextlib.AbstractContextManager):
         run, examples_per_update: `Checkpoints`'s; no checkpoints when ``run`` is None.
 
     Raises:
-        ValueError: a directory that cannot be used, holds checkpoints and no
-            ``config.resume``, or cannot be resumed (`Checkpoints.check_resumable`).
+        ValueError: a directory that cannot be used, or holds checkpoints that are not
+            to be resumed or cannot be (`Checkpoints.check_resumable`).
 
     Examples:
         >>> import tempfile
@@ -149,10 +137,7 @@ class Workdir(contextlib.AbstractContextManager):
         self._metrics.flush()
 
     def resume(self, state: TrainState) -> tuple[TrainState, int, int]:
-        """``(state, data position, updates done)``: the latest checkpoint's with ``--resume``.
-
-        Else ``state`` itself, at position 0 after 0 updates.
-        """
+        """``(state, data position, updates done)``: the latest checkpoint's with ``--resume``."""
         if self.config.resume and self.checkpoints is not None:
             restored = self.checkpoints.restore(state)
             if restored is not None:
