@@ -1,10 +1,4 @@
-"""Fault injection: out-of-memory errors on demand, through the path a real one takes.
-
-At chosen micro-step executions the injector does what a real out-of-memory does
-(DESIGN.md): it deletes the call's donated inputs (the accumulator and the running
-totals) and raises ``jax.errors.JaxRuntimeError`` with XLA's ``RESOURCE_EXHAUSTED``
-text; at a chosen size's compile it raises the same error.
-"""
+"""Fault injection: out-of-memory errors on demand, through the path a real one takes."""
 
 from __future__ import annotations
 
@@ -22,12 +16,14 @@ __all__ = ["FaultInjector", "inject_oom"]
 class FaultInjector:
     """Makes chosen micro-step executions, or chosen sizes' compiles, run out of memory.
 
+    As a real out-of-memory does, it deletes a run's donated inputs and raises
+    ``jax.errors.JaxRuntimeError`` with XLA's ``RESOURCE_EXHAUSTED`` text.
+
     Args:
         executions: 1-based numbers of the micro-step executions to fail, counted from
             when the injector is installed.
         compile_sizes: micro-batch sizes whose compile always fails.
-        delete_donated: delete the donated inputs before raising, as a real failed run
-            does; False mimics an error raised at dispatch on a GPU.
+        delete_donated: False mimics an error raised at dispatch on a GPU.
 
     Attributes:
         executions_seen: micro-step executions so far.
