@@ -1,13 +1,8 @@
 """The jitted pieces of an update, lowered per micro-batch size for one input shape.
 
-The one place that knows the micro-step's calling convention (`MicroArgs`, donation by
-name). The micro-step is the sizing engine's program (`jax_adaptive.sizing.Sizing`);
-chunks of several micro-steps, the update's last program (with the optimizer step) and
-the optimizer step are compiled here, each measured as the engine measures
-(`jax_adaptive.memory.program_ledger`: the whole resident state, what is in flight, the
-program). Under a mesh, a loss without model state accumulates per device (`per_device`):
-no collective in a micro-step, one reduction per update, in the optimizer step
-(docs/devices.md); a loss with model state keeps the SPMD micro-step.
+The micro-step is the sizing engine's program; chunks of micro-steps, the update's last
+program and the optimizer step are compiled and measured here as the engine measures.
+Under a mesh a loss without model state accumulates per device (docs/devices.md).
 """
 
 from __future__ import annotations
@@ -82,14 +77,13 @@ class Executables:
         fingerprint_at: ``() -> size`` the micro-step's code is fingerprinted at.
         memory_prior: a predicted ``(intercept, slope)`` of the micro-step's peak.
 
-    ``micro(size, chunk=c)`` is a chunk of ``c`` micro-steps in one program
-    (`jax_adaptive.step.scan_micro_steps`, ``c * size`` examples); ``final(size, c, T)``
-    the same followed by the optimizer step. Every program takes ``T`` at run time.
+    ``micro(size, chunk=c)`` runs ``c`` micro-steps in one program, ``final(size, c, T)``
+    then the optimizer step; every program takes ``T`` at run time.
 
     Attributes:
         chunk_compiles, final_compiles: compiles of chunks and of last programs.
         trace_counts, chunk_trace_counts: traces of the micro-step per size, alone and
-            inside chunks (one each: a retrace would show).
+            inside chunks.
         per_device: each device accumulates its own gradient (decided at `bind`).
         acc_struct, totals_struct: the accumulator and totals the micro-steps carry
             (``[D, ...]`` when `per_device`).
@@ -131,17 +125,14 @@ class Executables:
         self.trace_counts: Counter[int] = Counter()
         self.chunk_trace_counts: Counter[int] = Counter()
         self.per_device, self._shards = False, 1  # decided by bind
+        # T is the programs' runtime argument; per device, a trace sees one device's rows.
         self._micro_fn, self._chunk_fn = (
             make_micro_step(
-                loss_fn,
-                optimizer,
-                None,  # T is the programs' runtime argument (MicroArgs.target)
-                has_aux=has_aux,
-                has_state=has_state,  # per device, a trace sees one device's rows
+                loss_fn, optimizer, None, has_aux=has_aux, has_state=has_state,
                 on_trace=lambda rows, counts=counts: counts.update([rows * self._shards]),
             )
             for counts in (self.trace_counts, self.chunk_trace_counts)
-        )
+        )  # fmt: skip
         self._bound: tuple[Any, Any] | None = None
 
     # ------------------------------------------------------------ binding a shape
@@ -149,8 +140,7 @@ class Executables:
     def bind(self, state: TrainState, example_batch: Any) -> bool:
         """Binds the programs to a placed train state and an example's shape; True if new.
 
-        Another shape drops the previous one's chunks and last programs; the engine
-        keeps what it learned of each shape for when it comes back.
+        Another shape drops the previous one's programs; the engine keeps its measures.
         """
         structs = (jax.tree.map(_struct, state), example_structs(example_batch))
         if self._bound is not None and _same(self._bound, structs):
@@ -184,14 +174,11 @@ class Executables:
     def _sized(self) -> Sized:
         """The micro-step as the sizing engine sizes it."""
         return Sized(
-            lower=lambda size: self.lower(size),
-            resident=self.state_bytes(),
+            lower=lambda size: self.lower(size), resident=self.state_bytes(),
             inputs=lambda size: self._input_bytes(size, 1),
             key=lambda: {"example": str(self.example), **self._key()},
-            in_flight=self.in_flight,
-            prior=self._prior,
-            fingerprint_at=self._fingerprint_at,
-        )
+            in_flight=self.in_flight, prior=self._prior, fingerprint_at=self._fingerprint_at,
+        )  # fmt: skip
 
     @property
     def _axis(self) -> str:
@@ -250,22 +237,15 @@ class Executables:
         if self.per_device and chunk > 1:  # each device holds its rows of every micro-batch
             rows, data = (chunk, size), NamedSharding(data.mesh, PartitionSpec(None, self._axis))
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        return MicroArgs(
-            params=s.params,
-            opt_state=s.opt_state._replace(acc_grads=None),
-            acc_grads=self.acc_struct,
-            model_state=s.model_state,
-            totals=self.totals_struct,
-            batch=jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((*rows, *x.shape), x.dtype, sharding=data),
-                self.example,
-            ),
-            weights=jax.ShapeDtypeStruct(rows, jnp.float32, sharding=data),
-            rng=s.rng,
-            offset=i32,
-            k=i32,
-            target=i32,
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((*rows, *x.shape), x.dtype, sharding=data), self.example
         )
+        return MicroArgs(
+            params=s.params, opt_state=s.opt_state._replace(acc_grads=None),
+            acc_grads=self.acc_struct, model_state=s.model_state, totals=self.totals_struct,
+            batch=batch, weights=jax.ShapeDtypeStruct(rows, jnp.float32, sharding=data),
+            rng=s.rng, offset=i32, k=i32, target=i32,
+        )  # fmt: skip
 
     def lower(self, size: int, chunk: int = 1) -> Any:
         """Traces the program for ``size`` (the user's loss runs here, errors and all)."""
@@ -317,11 +297,9 @@ class Executables:
                     self.micro(size, chunk)
                 report = self._reports[size, chunk]
             self._ledgers[key] = program_ledger(
-                report,
-                resident=self.state_bytes(),
-                inputs=self._input_bytes(size, chunk),
+                report, resident=self.state_bytes(), inputs=self._input_bytes(size, chunk),
                 in_flight=self.in_flight,
-            )
+            )  # fmt: skip
         return self._ledgers[key]
 
     def _input_bytes(self, size: int, chunk: int) -> int:
@@ -374,10 +352,8 @@ class Executables:
     def final(self, size: int, chunk: int, T: int) -> Executable:
         """An update's last ``chunk`` micro-steps of ``size``, then the optimizer step.
 
-        It takes ``micro(size, chunk)``'s arguments, donates what it donates (the state
-        stays intact) and returns ``(params, opt_state, model_state, means)``; when it is
-        the whole update of ``T`` (`whole`) it leaves the state's accumulator (zeros)
-        unread and returns ``acc_grads=None`` (`jax_adaptive.step.with_optimizer_step`).
+        It takes ``micro(size, chunk)``'s arguments, donates what it donates and returns
+        ``(params, opt_state, model_state, means)`` (`jax_adaptive.step.with_optimizer_step`).
         """
         return self._final(size, chunk, self.whole(size, chunk, T))
 
@@ -426,32 +402,22 @@ class Executables:
     # ------------------------------------------------------------ timing
 
     def time_program(
-        self,
-        executable: Executable,
-        state: TrainState,
-        size: int,
-        T: int,
-        chunk: int = 1,
+        self, executable: Executable, state: TrainState, size: int, T: int, chunk: int = 1,
         reps: int = 3,
-    ) -> float:
-        """The fastest of ``reps`` runs of a chunk or last program, in seconds, on zeros.
+    ) -> float:  # fmt: skip
+        """The fastest of ``reps`` runs of a chunk or last program on zeros, in seconds.
 
         Out-of-memory propagates: the caller decides what it means.
         """
         structs = self.micro_structs(size, chunk)
         w = structs.weights
         fixed = structs._replace(  # what the program reads and does not donate
-            params=state.params,
-            opt_state=state.opt_state._replace(acc_grads=None),
-            model_state=state.model_state,
-            batch=zeros(structs.batch),
-            weights=jnp.ones(w.shape, w.dtype, device=w.sharding),
-            rng=state.rng,
-            offset=np.int32(0),
-            k=np.int32(chunk + 1),
-            target=np.int32(T),
+            params=state.params, opt_state=state.opt_state._replace(acc_grads=None),
+            model_state=state.model_state, batch=zeros(structs.batch),
+            weights=jnp.ones(w.shape, w.dtype, device=w.sharding), rng=state.rng,
+            offset=np.int32(0), k=np.int32(chunk + 1), target=np.int32(T),
             totals=zeros(structs.totals),
-        )
+        )  # fmt: skip
         seconds = []
         for _ in range(reps + 1):  # the first run warms up
             args = fixed._replace(acc_grads=zeros(structs.acc_grads))  # donated: fresh each run
