@@ -1,10 +1,7 @@
 """Ghost batches (Hoffer et al. 2017): BatchNorm statistics over fixed groups of examples.
 
-With per-micro-batch statistics, a BatchNorm model's training depends on the micro-batch,
-and so on the device. `ghost_batches` normalises over consecutive groups of ``g``
-examples instead, so that with micro-batches of whole groups (``multiple_of=g``) every
-device trains the same model, to float tolerance. The price is `GHOST_TRADE_OFF`; the
-guide: docs/batchnorm.md.
+Normalising over groups of ``g`` examples, whatever the micro-batch, every device trains
+the same model; the price is `GHOST_TRADE_OFF`. The guide: docs/batchnorm.md.
 """
 
 from __future__ import annotations
@@ -35,13 +32,11 @@ pytree of per-example arrays (losses, or ``(losses, aux)``)."""
 def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
     """Runs a stateful per-example loss over consecutive groups of ``group_size`` examples.
 
-    The groups run in order in a ``lax.scan``: group ``i`` gets the model state group
-    ``i - 1`` returned (never differentiated) and the key ``fold_in(rng, i)``; the
-    outputs are concatenated, the state is the last group's. A group whose ``weights``
-    (the trainer's) are all 0 leaves the state as it was: padding never moves it. With
-    ``weights``, train with ``multiple_of=group_size`` and a target batch that is a
-    multiple of it; a micro-batch smaller than a group is one group. Without them
-    (evaluation), a batch may end with a shorter group.
+    The groups run in order in a ``lax.scan``, group ``i`` with the state group ``i - 1``
+    returned (never differentiated) and the key ``fold_in(rng, i)``; a group whose
+    ``weights`` are all 0 (padding) leaves the state as it was. With ``weights``, a batch
+    must be one group or whole groups (train with ``multiple_of=group_size``); without
+    (evaluation), it may end with a shorter group.
 
     Args:
         loss_fn: ``(params, model_state, batch, rng) -> (output, new_model_state)``,
@@ -51,10 +46,6 @@ def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
     Returns:
         ``(params, model_state, batch, rng, *, weights=None) -> (output,
         new_model_state)``, to use with ``has_state=True``.
-
-    Raises:
-        ValueError: when ``group_size`` is not a positive int, or when called with
-            ``weights`` on a batch larger than ``group_size`` and not a multiple of it.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -99,24 +90,15 @@ def ghost_batches(loss_fn: StatefulLoss, group_size: int) -> StatefulLoss:
             out, state = group_loss(params, state, group, group_weights, jax.random.fold_in(rng, i))
             return state, out
 
-        state, out = jax.lax.scan(
-            body,
-            model_state,
-            (
-                jax.tree.map(grouped, batch),
-                None if weights is None else grouped(weights),
-                jnp.arange(groups),
-            ),
-        )
+        group_weights = None if weights is None else grouped(weights)
+        xs = (jax.tree.map(grouped, batch), group_weights, jnp.arange(groups))
+        state, out = jax.lax.scan(body, model_state, xs)
         out = jax.tree.map(lambda x: x.reshape(full, *x.shape[2:]), out)
         if full < m:  # a shorter last group (or a micro-batch smaller than one)
-            tail, state = group_loss(
-                params,
-                state,
-                jax.tree.map(lambda x: x[full:], batch),
-                None if weights is None else weights[full:],
-                jax.random.fold_in(rng, groups),
-            )
+            rest = jax.tree.map(lambda x: x[full:], batch)
+            rest_weights = None if weights is None else weights[full:]
+            key = jax.random.fold_in(rng, groups)
+            tail, state = group_loss(params, state, rest, rest_weights, key)
             out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
         return out, state
 

@@ -1,20 +1,10 @@
 """Micro-batching inside your own jitted step: the exact full-batch gradient at any size.
 
-`micro_batch_grad` turns a per-example loss into a function that, called inside a
-jitted step on a batch of ``T`` examples, returns the gradient of the full-batch mean
-loss ``sum_i w_i loss_i / T`` (``w_i = 1`` unless given), computed ``m`` examples at a
-time in one in-jit loop (``lax.fori_loop``): the activations of one micro-batch are live
-at once, never the batch's. `micro_batch_sum` is the same loop for any function that
-returns sums (per-example gradients clipped, moments, counts).
-
-The micro-batch size ``m`` is static and need not divide ``T``. The last micro-batch is
-padded with real rows and masked: it is the batch's last ``m`` rows, whose weights are
-0 on the rows an earlier micro-batch already counted, and slicing the batch in place
-copies no padded batch. A row given a weight of 0 never reaches the gradient: the loss
-sees a live row's inputs in its place (`jax_adaptive.step.live_source`), so a masked
-NaN or infinity stays out. Unlike ``optax.microbatch`` and Levanter's ``grad_accum`` (a
-size that must divide the batch), any size gives the exact gradient, so the size can
-be the largest that fits (`jax_adaptive.AdaptiveStep`).
+`micro_batch_grad` computes the gradient of ``sum_i w_i loss_i / T`` ``m`` examples at a
+time in one in-jit loop (``lax.fori_loop``), for any ``m``: the last micro-batch is the
+batch's last ``m`` rows, those already counted weighted 0 (no padded copy). A row of
+weight 0 never reaches the gradient (`jax_adaptive.step.live_source`). `micro_batch_sum`
+is the same loop for a function returning sums. The guide: docs/own-loop.md.
 """
 
 from __future__ import annotations
@@ -46,13 +36,12 @@ class MicroBatchGrad(NamedTuple):
     """What `micro_batch_grad`'s function returns for a batch of ``T`` examples.
 
     Attributes:
-        grads: the gradient of ``sum_i w_i loss_i / T`` with respect to the params.
+        grads: the gradient of ``loss`` with respect to the params.
         loss: ``sum_i w_i loss_i / T``, the full-batch mean loss.
         aux: each aux metric's ``sum_i w_i aux_i / T``.
-        sums: the weighted sums themselves (``"loss"`` and each aux metric), in float32:
-            what to add up across batches or devices.
-        model_state: the model state after the last micro-batch (``()`` without
-            ``has_state``).
+        sums: the float32 weighted sums (``"loss"`` and each aux metric), to add up
+            across batches or devices.
+        model_state: the model state after the last micro-batch (``()`` without one).
     """
 
     grads: Params
@@ -70,15 +59,21 @@ def _check_size(micro_batch_size: Any) -> int:
     return micro_batch_size
 
 
-def _weights_for(weights: Any, total: int) -> jax.Array:
+def _prepare(batch: Batch, weights: Any, m: int) -> tuple[int, jax.Array, Any]:
+    """The batch's ``T``, its weights checked (1 by default), and one micro-batch's structs."""
+    total = leading_size(batch)
     if weights is None:
-        return jnp.ones((total,), jnp.float32)
+        weights = jnp.ones((total,), jnp.float32)
     weights = jnp.asarray(weights, jnp.float32)
     if weights.shape != (total,):
         raise ValueError(
             f"weights must have shape ({total},), one per example; got {weights.shape}."
         )
-    return weights
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((min(m, total), *jnp.shape(x)[1:]), jnp.result_type(x)),
+        batch,
+    )
+    return total, weights, micro
 
 
 def _loop(
@@ -90,10 +85,8 @@ def _loop(
 ) -> Any:
     """Folds ``body(carry, micro_batch, micro_weights, offset)`` over the micro-batches.
 
-    Micro-batch ``i`` is the ``m`` rows from ``min(i * m, T - m)``; its weights are 0 on
-    rows before ``i * m`` (counted by micro-batch ``i - 1``), so every row counts once.
-    Its rows are gathered by `jax_adaptive.step.live_source`: a row of weight 0 holds a
-    live row's inputs.
+    Micro-batch ``i`` is the ``m`` rows from ``min(i * m, T - m)``, weighted 0 before
+    ``i * m`` (counted already), gathered by `live_source`.
     """
     total = leading_size(batch)
     m = min(micro_batch_size, total)  # a size above T is the whole batch
@@ -122,19 +115,15 @@ def micro_batch_sum(
 ) -> Callable[..., Any]:
     """Sums ``fn`` over the micro-batches of a batch, in one in-jit loop.
 
-    ``fn(micro_batch, weights, offset)`` gets ``micro_batch_size`` rows of the batch,
-    their weights (0 on a row it must not count: the padding of the last micro-batch)
-    and the index of its first row; it returns a pytree of weighted sums over its rows.
-    The result is the sum of those pytrees: what ``fn`` would return for the whole
-    batch, with the activations of one micro-batch live at a time.
-
     Args:
-        fn: ``(micro_batch, weights, offset) -> pytree`` of sums weighted by ``weights``.
+        fn: ``(micro_batch, weights, offset) -> pytree`` of sums over the micro-batch's
+            rows weighted by ``weights`` (0 on a row not to count), ``offset`` its first
+            row's index.
         micro_batch_size: rows per call of ``fn`` (static); any positive int.
 
     Returns:
-        ``(batch, weights=None) -> pytree``: the sum over the batch (``weights`` is one
-        per example, 1 by default).
+        ``(batch, weights=None) -> pytree``: the sum over the batch (``weights`` one per
+        example, 1 by default).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -148,11 +137,7 @@ def micro_batch_sum(
     m = _check_size(micro_batch_size)
 
     def summed(batch: Batch, weights: Any = None) -> Any:
-        total = leading_size(batch)
-        weights = _weights_for(weights, total)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((min(m, total), *x.shape[1:]), x.dtype), batch
-        )
+        total, weights, micro = _prepare(batch, weights, m)
         shapes = jax.eval_shape(
             fn, micro, jax.ShapeDtypeStruct((min(m, total),), jnp.float32), jnp.int32(0)
         )
@@ -175,32 +160,21 @@ def micro_batch_grad(
 ) -> Callable[..., MicroBatchGrad]:
     """The exact full-batch mean gradient of a per-example loss, ``m`` examples at a time.
 
-    For use inside your own jitted step: the returned function computes, in one in-jit
-    loop over micro-batches of ``micro_batch_size``, the gradient of
-    ``sum_i w_i loss_i / T`` over the ``T`` examples of its batch. It equals
-    ``jax.grad`` of the plain full-batch mean loss to float tolerance for any size,
-    including one that does not divide ``T``; only the memory differs.
-
-    The loss is the trainer's (`jax_adaptive.AdaptiveTrainer`): ``(params, batch, rng) ->
-    losses[m]``, one per example (with ``has_aux``: ``(losses, aux)``, aux a dict of
-    per-example arrays; with ``has_state``: ``(params, model_state, batch, rng) ->
-    (that, new_model_state)``, the state threaded through the micro-batches in order,
-    as in every accumulation scheme: BatchNorm statistics are per micro-batch). A loss
-    that declares a keyword ``weights`` gets each micro-batch's weights (0 on padding).
-    Each micro-batch gets the key ``fold_in(rng, offset)`` (``offset`` its first row),
-    or None when ``rng`` is None. An aux metric may not be named ``"loss"`` (it would
-    replace the loss): the first trace raises a ValueError, as the trainer does.
+    Called inside your jitted step, it equals ``jax.grad`` of the full-batch mean loss to
+    float tolerance for any size; only the memory differs. Each micro-batch gets the key
+    ``fold_in(rng, offset)`` (None without ``rng``); a loss declaring a keyword
+    ``weights`` gets the micro-batch's weights; an aux metric named ``"loss"`` is refused.
 
     Args:
-        loss_fn: the per-example loss.
+        loss_fn: the per-example loss, as `jax_adaptive.AdaptiveTrainer` takes it.
         micro_batch_size: examples per micro-batch (static); any positive int, a size
             above the batch's ``T`` is ``T``.
         has_aux: ``loss_fn`` returns ``(losses, aux)``.
-        has_state: ``loss_fn`` takes and returns a model state.
+        has_state: ``loss_fn`` takes and returns a model state, threaded in order.
 
     Returns:
-        ``(params, batch, rng=None, *, weights=None, model_state=()) -> MicroBatchGrad``;
-        ``weights`` (one per example, 1 by default) weights each loss in the sum.
+        ``(params, batch, rng=None, *, weights=None, model_state=()) -> MicroBatchGrad``,
+        ``weights`` one per example (1 by default).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -223,8 +197,7 @@ def micro_batch_grad(
         weights: Any = None,
         model_state: Any = (),
     ) -> MicroBatchGrad:
-        total = leading_size(batch)
-        weights = _weights_for(weights, total)
+        total, weights, micro = _prepare(batch, weights, m)
 
         def body(carry: Any, micro_batch: Batch, micro_weights: jax.Array, offset: jax.Array):
             grads, sums, state = carry
@@ -239,10 +212,6 @@ def micro_batch_grad(
             return grads, sums, new_state
 
         # Sums start at zero with the names the loss returns: trace it once for them.
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((min(m, total), *jnp.shape(x)[1:]), jnp.result_type(x)),
-            batch,
-        )
         _, aux, _ = jax.eval_shape(
             lambda p, s, b, r: call_loss(loss_fn, has_aux, has_state, p, s, b, r),
             params, model_state, micro, rng,
