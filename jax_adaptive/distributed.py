@@ -1,10 +1,8 @@
-"""Several devices and several processes: the data mesh, sharded micro-batches, agreement.
+"""Several devices and processes: the data mesh, sharded micro-batches, agreement.
 
-`Placement` puts the state and the micro-batches on one device or a mesh; `place` and
-`host_copy` move pytrees to and from shardings that may span processes. Under
-``jax.distributed`` every process must decide alike at the same moment, else one waits
-in a collective the others never reach: `process_min` agrees on the planned size,
-`agreed` on an out-of-memory; with one process both pass through. Guide: docs/devices.md.
+`Placement` puts the state and micro-batches on a device or a mesh; `place` and `host_copy`
+move pytrees to and from shardings that may span processes; `process_min` and `agreed` make
+every process decide alike (docs/devices.md).
 """
 
 from __future__ import annotations
@@ -35,10 +33,7 @@ T = TypeVar("T")
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -> Mesh:
-    """A one-axis mesh, named ``axis``, over ``devices`` (``jax.devices()`` by default).
-
-    Raises:
-        ValueError: when ``devices`` is empty.
+    """A one-axis mesh named ``axis`` over ``devices`` (all by default; ValueError if none).
 
     Examples:
         >>> import jax_adaptive as ja
@@ -54,12 +49,8 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -
 def place(tree: Any, where: Any) -> Any:
     """``jax.device_put``, also onto a sharding that spans other processes' devices.
 
-    Each process fills its own devices' shards, from its copy of the values (the same on
-    every process) or from `host_copy`'s `LocalShards`.
-
-    Args:
-        tree: a pytree of arrays (host or device, PRNG keys included).
-        where: a ``jax.Device`` or ``Sharding``, or a pytree of them matching ``tree``.
+    ``where`` is a device or sharding, or a pytree of them matching ``tree``. Each process
+    fills its own shards from its copy of the values or from `host_copy`'s `LocalShards`.
 
     Examples:
         >>> sharding = NamedSharding(data_mesh(), PartitionSpec("data"))
@@ -86,13 +77,7 @@ def _place_leaf(leaf: Any, where: Any) -> jax.Array:
 
 @jax.tree_util.register_pytree_node_class
 class LocalShards:
-    """A host copy of this process's shards of an array that spans other processes' too.
-
-    Args:
-        shape: the global shape.
-        pieces: each addressable shard's host copy (the pytree's leaves), keyed by
-            `LocalShards.key` of its index.
-    """
+    """This process's shards of a global array, on the host, keyed by `LocalShards.key`."""
 
     def __init__(self, shape: tuple[int, ...], pieces: dict[tuple, np.ndarray]):
         self.shape, self.pieces = tuple(shape), pieces
@@ -108,14 +93,12 @@ class LocalShards:
 
     def tree_flatten(self) -> tuple[tuple[np.ndarray, ...], tuple]:
         """The pieces, and the shape and keys to rebuild it (the pytree protocol)."""
-        keys = tuple(self.pieces)
-        return tuple(self.pieces[k] for k in keys), (self.shape, keys)
+        return tuple(self.pieces.values()), (self.shape, tuple(self.pieces))
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: Any) -> LocalShards:
         """Rebuilds it from `tree_flatten`'s parts (the pytree protocol)."""
-        shape, keys = aux
-        return cls(shape, dict(zip(keys, children, strict=True)))
+        return cls(aux[0], dict(zip(aux[1], children, strict=True)))
 
 
 def _is_local_shards(x: Any) -> bool:
@@ -123,10 +106,7 @@ def _is_local_shards(x: Any) -> bool:
 
 
 def host_copy(tree: Any) -> Any:
-    """A host copy of a pytree of arrays that `place` puts back where they were.
-
-    An array split over other processes' devices too becomes `LocalShards`, any other
-    NumPy (PRNG keys stay keys).
+    """A host copy that `place` puts back: NumPy, keys, or `LocalShards` of a global array.
 
     Examples:
         >>> host_copy({"x": jax.numpy.ones(2)})["x"].tolist()
@@ -145,6 +125,8 @@ def host_copy(tree: Any) -> Any:
 
 
 def _gather(value: int) -> np.ndarray:
+    if jax.process_count() == 1:
+        return np.array([value])
     return np.asarray(multihost_utils.process_allgather(np.int64(value)))
 
 
@@ -155,8 +137,6 @@ def process_min(value: int) -> int:
         >>> process_min(7)  # one process
         7
     """
-    if jax.process_count() == 1:
-        return int(value)
     return int(_gather(int(value)).min())
 
 
@@ -167,8 +147,6 @@ def process_any(flag: bool) -> bool:
         >>> process_any(False)  # one process
         False
     """
-    if jax.process_count() == 1:
-        return bool(flag)
     return bool(_gather(int(bool(flag))).max())
 
 
@@ -180,8 +158,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def agreed(fn: Callable[[], T], size: int) -> T:
     """Runs ``fn``, raising on every process if it ran out of memory on any.
 
-    That process raises its own error, the others `PeerOutOfMemory` (of ``size``, the
-    micro-batch); with one process this is ``fn()``.
+    That process raises its own error, the others `PeerOutOfMemory(size)`.
 
     Examples:
         >>> agreed(lambda: 3, size=8)
@@ -196,20 +173,12 @@ def agreed(fn: Callable[[], T], size: int) -> T:
 
 
 class Placement:
-    """Where the train state and the micro-batches live: one device, or a mesh.
+    """Where the train state and the micro-batches live: ``device``, or ``mesh``.
 
-    Args:
-        device: the device, without ``mesh``; the first local device by default.
-        mesh: a ``jax.sharding.Mesh`` to split each micro-batch over ``data_axis``.
-        data_axis: the mesh axis of the data.
-        param_sharding: with ``mesh``, ``PartitionSpec`` s for (a prefix of) the
-            parameters; the optimizer state follows its parameters.
-
-    Attributes:
-        device: this process's first device of the mesh, or the device.
-        shards: the number of data shards (1 without a mesh).
-        everywhere: a full copy on every device (the device itself without a mesh).
-        data: the micro-batch's split over the data axis (None without a mesh).
+    With a mesh, each micro-batch is split over ``data_axis`` and ``param_sharding`` gives
+    ``PartitionSpec`` s for (a prefix of) the parameters. ``device`` becomes this process's
+    first device, ``shards`` the number of data shards, ``everywhere`` the replicated
+    sharding and ``data`` the micro-batch's (None without a mesh).
 
     Examples:
         >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
@@ -251,16 +220,12 @@ class Placement:
         return int(self.mesh.shape[self.data_axis])
 
     def state(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
-        """A train state's shardings: replicated, or the parameters' own specs.
-
-        The optimizer state follows its parameters by ``optax.tree_map_params`` over
-        ``optimizer``, the ``MultiSteps`` that built it.
-        """
-        everywhere = self.everywhere
+        """A train state's shardings; ``optimizer``'s state follows its parameters."""
+        full = self.everywhere
         if self.mesh is None:
-            return everywhere
+            return full
         if self.param_sharding is None:
-            params = jax.tree.map(lambda _: everywhere, state.params)
+            params = jax.tree.map(lambda _: full, state.params)
         else:
             params = jax.tree.map(
                 lambda spec, p: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), p),
@@ -269,24 +234,17 @@ class Placement:
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
         opt = optax.tree_map_params(
-            optimizer,
-            lambda _, sharding: sharding,
-            state.opt_state,
-            params,
-            transform_non_params=lambda _: everywhere,
+            optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: full
         )
-        model_state = jax.tree.map(lambda _: everywhere, state.model_state)
-        return type(state)(params, opt, model_state, everywhere)
+        model_state = jax.tree.map(lambda _: full, state.model_state)
+        return type(state)(params, opt, model_state, full)
 
     def micro_batch(self, tree: Any, split: int = 1) -> Any:
-        """A micro-batch as the micro-step takes it: split over the data axis on a mesh.
+        """A micro-batch split over the data axis, or a chunk of ``split`` as ``[split, m, ...]``.
 
-        With ``split > 1`` on a mesh, the rows are ``split`` micro-batches (a chunk),
-        placed as ``[split, rows / split, ...]``, each split over the data axis.
+        Without a mesh, host arrays go as they are: the program's call transfers them faster.
         """
         if self.data is None:
-            # Host arrays go to the program as they are: its call transfers them in C++,
-            # several times faster than a jax.device_put per micro-batch.
             return tree
         if split == 1:
             return place(tree, self.data)

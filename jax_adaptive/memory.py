@@ -1,12 +1,8 @@
 """Memory: a compiled program's estimated peak, what is live while it runs, a device's capacity.
 
-* `estimate_peak_bytes` reads XLA's buffer assignment, which needs nothing allocated (a
-  program lowered from ``jax.ShapeDtypeStruct``s will do).
-* `Ledger` is what the device holds while a program runs: more than the program's own
-  estimate, since JAX prunes unread arguments (Adam's moments) that stay resident.
-* `MemoryModel` predicts the largest size within a capacity from the peaks measured.
-
-The guide: docs/memory.md.
+`estimate_peak_bytes` reads XLA's buffer assignment (nothing allocated); a `Ledger` adds what
+the program's estimate leaves out (pruned yet resident arguments: Adam's moments);
+`MemoryModel` predicts the largest size within a capacity. Guide: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -35,14 +31,9 @@ __all__ = [
 
 
 def memory_report(compiled: Any) -> dict[str, int]:
-    """XLA's memory analysis of a compiled program, in bytes.
+    """XLA's memory analysis of a compiled program, in bytes (ValueError where there is none).
 
-    Returns:
-        ``argument``, ``output``, ``alias``, ``temp``, ``code`` and, where XLA gives it,
-        ``peak``.
-
-    Raises:
-        ValueError: when the backend gives no memory analysis.
+    The keys: ``argument``, ``output``, ``alias``, ``temp``, ``code`` and, if given, ``peak``.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -102,13 +93,10 @@ def tree_bytes(tree: Any) -> int:
 
 
 class Ledger(NamedTuple):
-    """What is live on a device while a program runs, in bytes, by part.
+    """What is live on a device while a program runs, in bytes, by part (docs/memory.md).
 
-    Attributes:
-        state: everything resident, read or not: the whole train state, the accumulator
-            and the running totals.
-        in_flight: every call in flight's inputs and outputs not aliased to its inputs.
-        program: the running program's temporaries and generated code.
+    ``state`` is everything resident, read or not; ``in_flight`` the calls in flight's inputs
+    and new outputs; ``program`` the running program's temporaries and code.
 
     Examples:
         >>> Ledger(state=1_000, in_flight=200, program=300).total
@@ -130,12 +118,8 @@ def program_ledger(
 ) -> Ledger:
     """The `Ledger` of a program from its `memory_report`.
 
-    Args:
-        report: the program's `memory_report`.
-        resident: bytes live whatever the program reads (a whole train state).
-        inputs: bytes each call transfers.
-        in_flight: calls dispatched at once, each with its inputs, new outputs and
-            temporaries.
+    ``resident`` bytes are live whatever it reads, each of the ``in_flight`` calls holds
+    ``inputs`` bytes, its new outputs and temporaries.
 
     Examples:
         >>> report = {"argument": 900, "output": 300, "alias": 100, "temp": 50, "code": 7}
@@ -151,22 +135,12 @@ def program_ledger(
 
 
 def device_capacity(device: jax.Device | None = None) -> int | None:
-    """``memory_stats()["bytes_limit"]`` (the first local device's by default); None on a CPU.
-
-    Examples:
-        >>> device_capacity(jax.devices("cpu")[0]) is None
-        True
-    """
+    """``memory_stats()["bytes_limit"]`` (the first local device's by default); None on a CPU."""
     return _stat(device, "bytes_limit")
 
 
 def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
-    """``memory_stats()["bytes_in_use"]``: every live array of this process; None on a CPU.
-
-    Examples:
-        >>> device_bytes_in_use(jax.devices("cpu")[0]) is None
-        True
-    """
+    """``memory_stats()["bytes_in_use"]``: every live array of this process; None on a CPU."""
     return _stat(device, "bytes_in_use")
 
 
@@ -207,9 +181,8 @@ def learned_capacity(
 ) -> int:
     """The capacity a real out-of-memory at a ledger of ``peak`` bytes teaches.
 
-    ``headroom`` below the peak after the first failure in a row; after a further one,
-    halfway between ``floor`` (what no size goes below: the resident bytes and the
-    smallest inputs) and the peak; never above ``known``, a capacity learned before.
+    ``headroom`` below the peak on the ``first`` failure in a row, else halfway from
+    ``floor`` (no size goes below it) to the peak; never above ``known``, learned before.
 
     Examples:
         >>> learned_capacity(1000, 0.1, first=True)
@@ -226,27 +199,20 @@ def learned_capacity(
 
 
 def _stat(device: jax.Device | None, name: str) -> int | None:
-    device = device or jax.local_devices()[0]
     try:
-        stats = device.memory_stats()
+        stats = (device or jax.local_devices()[0]).memory_stats()
     except (NotImplementedError, RuntimeError):
         return None
-    if not stats or name not in stats:
-        return None
-    return int(stats[name])
+    return int(stats[name]) if stats and name in stats else None
 
 
 class MemoryModel:
-    """Predicts the largest size within a capacity from the peaks of sizes measured.
+    """Predicts the largest size within a capacity from measured ``points``, ``{size: peak}``.
 
-    The secant through the largest measured size that fits and the smallest that does
-    not (from one side, that side's two nearest; from one point, through the origin),
-    corrected by a parabola through a third point where it stays in the bracket. Until
-    there are two points a ``prior`` line stands in (through the one point, if any).
-
-    Args:
-        points: measured ``{size: peak bytes}``.
-        prior: a predicted ``(intercept, slope)``, the slope positive.
+    The secant through the largest size that fits and the smallest that does not (from one
+    side, its two nearest; from one point, through the origin), corrected by a parabola
+    through a third where it stays in that bracket. Below two points a ``prior``
+    ``(intercept, slope > 0)`` line stands in.
 
     Examples:
         >>> model = MemoryModel({64: 1_000 + 64 * 50, 256: 1_000 + 256 * 50})
@@ -287,9 +253,7 @@ class MemoryModel:
         else:
             pair = [0, *self.points]
         secant = self._root(pair, capacity)
-        # With a third measurement, a parabola through the three nearest the capacity
-        # follows a curving peak; it is trusted only where it agrees with the secant's
-        # side of the bracket.
+        # A parabola through a third measurement follows a curving peak, inside the bracket.
         rest = sorted(set(self.points) - set(pair), key=lambda s: abs(self.points[s] - capacity))
         if secant is None or not rest or 0 in pair:
             return None if secant is None else max(0, int(secant))
@@ -334,9 +298,7 @@ class MemoryModel:
             if guess is None:
                 return None
             guess = max(guess, (good or 0) + 1)
-            if bad is not None:
-                guess = min(guess, bad - 1)
-            return guess
+            return guess if bad is None else min(guess, bad - 1)
 
         return propose
 
@@ -346,18 +308,10 @@ def predict_line(
 ) -> tuple[float, float] | None:
     """A new bucket's predicted ``(intercept, slope)`` of peak bytes against micro-batch size.
 
-    Least squares over the estimates compiled for the buckets seen, those near the
-    capacity (XLA's peak is least linear at tiny sizes), of ``a + m L`` from one bucket
-    (its line scaled by the length) and of ``a + b L + m (c L + d L^2)`` from two on.
-
-    Args:
-        points: ``{(length, size): estimated bytes}`` of the buckets seen; a bucket's
-            length is its number of positions (``H * W`` for an image shape).
-        length: the new bucket's.
-        capacity: the bytes a micro-step may use.
-
-    Returns:
-        The line, or None without points or when the fit does not grow with the size.
+    Least squares over ``points``, ``{(length, size): estimated bytes}`` of the buckets seen
+    (a length is a bucket's positions, ``H * W`` for an image), those near ``capacity``
+    (XLA's peak is least linear at tiny sizes), of ``a + m L`` from one bucket and of
+    ``a + b L + m (c L + d L^2)`` from two on; None without points or a rising line.
 
     Examples:
         >>> peak = lambda L, m: 1_000 + 10 * L + m * (3 * L + L * L)

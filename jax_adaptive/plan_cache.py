@@ -1,21 +1,11 @@
 """A persistent plan cache: the micro-batch size a job found, remembered across runs.
 
-A plan is keyed by everything that decides it: the device's kind and capacity, the
-memory limit and headroom, a fingerprint of the lowered micro-step (the model, the
-loss, the optimizer, the shapes and dtypes of the state and of one example), the target
-batch size and the JAX version. A second run of the same job then does no search
-compiles. An entry is a hint, never trusted blindly: the trainer's first run of a
-cached size is guarded by its out-of-memory recovery like any new size, and a corrupt
-file or an entry that makes no sense is ignored with a warning.
-
-The file is JSON, by default ``$XDG_CACHE_HOME/jax_adaptive/plans.json`` (else
-``~/.cache/...``); the environment variable ``JAX_ADAPTIVE_PLAN_CACHE`` names another
-file, or turns the default cache off with ``off``.
-
-The cache may sit in a directory other users can write to: it never follows a symbolic
-link at its file or its lock (one there makes it warn that plans are not remembered, as
-an unwritable file does), and it writes through a temporary file created exclusively
-under a name no one can predict.
+A plan's key holds all that decides it (device, capacity, limit, headroom, a fingerprint of
+the lowered micro-step, target batch size, JAX version); an entry is only a hint, guarded
+like any new size, and a corrupt file or senseless entry is ignored with a warning. The
+file (``$XDG_CACHE_HOME/jax_adaptive/plans.json`` unless ``$JAX_ADAPTIVE_PLAN_CACHE`` names
+another or is ``off``) may sit where others can write: a symbolic link at it or its lock is
+never followed, and writes go through an exclusive temporary file. Guide: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -49,11 +39,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _flaw(entry: dict[str, Any], target_batch_size: int) -> tuple[str, str] | None:
-    """What makes a cached plan unusable (``("stale", why)``, ``("malformed", why)``), or None.
-
-    The sizing engine reads ``micro_batch_size`` and ``estimated_bytes`` (into a
-    `jax_adaptive.SizeTrial`): they must be what it would have stored itself.
-    """
+    """``("stale" | "malformed", why)`` where the entry is not what sizing would store."""
     size, estimate = entry.get("micro_batch_size"), entry.get("estimated_bytes")
     if not (_is_count(size) and 1 <= size <= target_batch_size):
         return "stale", f"micro_batch_size={size!r} is not in [1, {target_batch_size}]"
@@ -67,10 +53,7 @@ class _Link(OSError):
 
 
 def _open(path: Path, flags: int) -> int:
-    """``os.open`` that never follows a symbolic link at ``path`` (`_Link` if one is there).
-
-    New files get mode ``0o666`` less the umask, as any new file does.
-    """
+    """``os.open`` (new files: 0o666 less the umask) that raises `_Link` at a symbolic link."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as exc:
@@ -91,10 +74,7 @@ def plan_key(**parts: Any) -> str:
 
 
 class PlanCache:
-    """Plans by key in one JSON file.
-
-    Args:
-        path: the file; None for the default (see the module docstring).
+    """Plans by key in one JSON file, ``path`` (`PlanCache.default_path` by default).
 
     Examples:
         >>> import tempfile, pathlib
@@ -143,33 +123,25 @@ class PlanCache:
             warnings.warn(f"ignoring the plan cache {self.path}: {problem}.", stacklevel=4)
 
     def _read(self) -> dict[str, Any]:
-        """The file's entries; {} (with a warning) when it is unreadable.
-
-        Raises:
-            _Link: the file is a symbolic link (the caller warns: nothing is remembered).
-        """
+        """The file's entries; {} (with a warning) when it is unreadable; `_Link` at a link."""
         try:
             fd = _open(self.path, os.O_RDONLY)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.close(fd)
+                self._warn("it is a directory, so the plans found are not remembered")
+                return {}
+            with os.fdopen(fd) as f:
+                entries = json.loads(f.read())
+            if not isinstance(entries, dict):
+                raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
+            return entries
         except (FileNotFoundError, NotADirectoryError):
             return {}
         except _Link:
             raise
-        except OSError as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             self._warn(f"it is unreadable ({_first_line(exc)}); plans are searched afresh")
             return {}
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            os.close(fd)
-            self._warn("it is a directory, so the plans found are not remembered")
-            return {}
-        with os.fdopen(fd) as f:
-            try:
-                entries = json.loads(f.read())
-                if not isinstance(entries, dict):
-                    raise ValueError(f"expected a JSON object, got {type(entries).__name__}")
-                return entries
-            except (OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
-                self._warn(f"it is unreadable ({_first_line(exc)}); plans are searched afresh")
-                return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The plan stored under ``key``, or None."""
@@ -181,11 +153,7 @@ class PlanCache:
         return entry if isinstance(entry, dict) else None
 
     def plan(self, key: str, target_batch_size: int) -> dict[str, Any] | None:
-        """The plan under ``key`` if its ``micro_batch_size`` makes sense, else None.
-
-        A size that is not an int in ``[1, target_batch_size]`` (a stale or hand-edited
-        entry), or an ``estimated_bytes`` that is neither an int ``>= 0`` nor null (a
-        malformed one), is ignored with a warning.
+        """The plan under ``key``, or None; a stale or malformed one warns.
 
         Examples:
             >>> import tempfile, pathlib
@@ -202,9 +170,7 @@ class PlanCache:
             ignoring a malformed plan in ...: estimated_bytes='lots' is not an int >= 0 nor null
         """
         entry = self.get(key)
-        if entry is None:
-            return None
-        flaw = _flaw(entry, target_batch_size)
+        flaw = None if entry is None else _flaw(entry, target_batch_size)
         if flaw is not None:
             warnings.warn(f"ignoring a {flaw[0]} plan in {self.path}: {flaw[1]}", stacklevel=5)
             return None
@@ -213,11 +179,8 @@ class PlanCache:
     def put(self, key: str, plan: dict[str, Any]) -> None:
         """Stores ``plan`` under ``key``; never raises (a file it cannot write warns once).
 
-        Writers in several processes lose nothing: each holds an exclusive lock on a
-        sidecar file (``<file>.lock``) while it reads, merges and atomically replaces the
-        file (a crash never leaves half a file; its temporary file is removed). The
-        temporary file is created exclusively under an unpredictable name, and a
-        symbolic link at the file or the lock is never followed (it warns instead).
+        Under an exclusive lock on ``<file>.lock`` it reads, merges and atomically replaces
+        the file, so writers in several processes lose nothing and a crash leaves no half file.
 
         Examples:
             >>> import tempfile, pathlib
@@ -235,9 +198,8 @@ class PlanCache:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 entries = self._read()
                 entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                # O_EXCL under a name no one can guess: nothing planted there is written
-                # through, as with tempfile.mkstemp; unlike it, the umask decides the mode
-                # (0o666 less the umask, as for any new file), so others may share the cache.
+                # O_EXCL under a name no one can guess, as tempfile.mkstemp, but the umask
+                # decides the mode, so others may share the cache.
                 name = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
                 fd = _open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                 tmp = name  # ours now: removed if what follows fails
@@ -257,11 +219,7 @@ class PlanCache:
 def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path:
     """Turns on JAX's persistent compilation cache, so a second run skips XLA compiles.
 
-    Args:
-        path: the directory; by default ``xla/`` beside the plan cache's file.
-
-    Returns:
-        The directory used.
+    Returns the directory: ``path``, by default ``xla/`` beside the plan cache's file.
 
     Examples:
         >>> import tempfile
