@@ -1,10 +1,7 @@
-"""The library's argument and batch checks: one-line errors that name the argument.
+"""The library's argument and batch checks: one-line errors that name and show the value.
 
-Each check raises `TypeError` (a value of the wrong kind) or `ValueError` (a value out
-of range) in one sentence that shows the value, or returns the value normalised (a
-NumPy int becomes an ``int``). `jax_adaptive.AdaptiveTrainer` runs them when it is
-built and at each step, so a bad argument fails at once, never deep inside a trace or a
-compile with XLA's multi-line message.
+Each raises `TypeError` (the wrong kind) or `ValueError` (out of range) at once, never deep
+inside a trace or compile, or returns the value normalised (a NumPy int becomes ``int``).
 """
 
 from __future__ import annotations
@@ -44,6 +41,10 @@ MAX_TARGET_BATCH_SIZE = 2**31 - 1
 """The largest target batch: the micro-step counts examples and offsets in int32."""
 
 
+def _got(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an int (a NumPy one too), not a bool.
 
@@ -58,14 +59,12 @@ def positive_int(name: str, value: Any) -> int:
     """Returns ``value`` as an ``int`` if it is a positive int (not a bool).
 
     Examples:
-        >>> positive_int("in_flight", 2)
-        2
         >>> positive_int("in_flight", 0)
         Traceback (most recent call last):
         ValueError: in_flight=0 must be positive.
     """
     if not is_int(value):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+        raise TypeError(f"{name} must be a positive int, got {_got(value)}.")
     if value <= 0:
         raise ValueError(f"{name}={value} must be positive.")
     return int(value)
@@ -80,7 +79,7 @@ def non_negative_int(name: str, value: Any) -> int:
         ValueError: oom_retries=-1 must be at least 0.
     """
     if not is_int(value):
-        raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__}).")
+        raise TypeError(f"{name} must be an int >= 0, got {_got(value)}.")
     if value < 0:
         raise ValueError(f"{name}={value} must be at least 0.")
     return int(value)
@@ -90,8 +89,6 @@ def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
     """Returns ``value`` if it is one of the ``choices`` (strings).
 
     Examples:
-        >>> one_of("objective", "max", ("least_padding", "max"))
-        'max'
         >>> one_of("objective", "fast", ("least_padding", "max"))
         Traceback (most recent call last):
         ValueError: objective='fast' must be one of 'least_padding', 'max'.
@@ -150,20 +147,20 @@ def check_limit(memory_limit: Any) -> int | None:
     return None if memory_limit is None else positive_int("memory_limit", memory_limit)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
 def check_fraction(name: str, value: Any) -> float:
     """A share in ``[0, 1)`` (a real number, not a bool nor a string).
 
     Examples:
-        >>> check_fraction("headroom", 0.1)
-        0.1
         >>> check_fraction("headroom", "x")
         Traceback (most recent call last):
         TypeError: headroom must be a number in [0, 1), got 'x' (str).
     """
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(
-            f"{name} must be a number in [0, 1), got {value!r} ({type(value).__name__})."
-        )
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number in [0, 1), got {_got(value)}.")
     if not 0.0 <= float(value) < 1.0:  # NaN fails this too
         raise ValueError(f"{name}={value!r} must be in [0, 1).")
     return float(value)
@@ -173,8 +170,6 @@ def check_grow(grow: Any) -> str | int:
     """The grow policy: ``"never"``, ``"on_limit_change"`` or a positive int (not a bool).
 
     Examples:
-        >>> check_grow(10), check_grow("never")
-        (10, 'never')
         >>> check_grow(True)
         Traceback (most recent call last):
         TypeError: grow must be 'never', 'on_limit_change' or a positive int, got True (bool).
@@ -183,8 +178,7 @@ def check_grow(grow: Any) -> str | int:
         return grow
     if not is_int(grow):
         raise TypeError(
-            "grow must be 'never', 'on_limit_change' or a positive int, got "
-            f"{grow!r} ({type(grow).__name__})."
+            f"grow must be 'never', 'on_limit_change' or a positive int, got {_got(grow)}."
         )
     return positive_int("grow", grow)
 
@@ -193,8 +187,6 @@ def check_chunk(chunk: Any) -> int | str:
     """Micro-steps per dispatch: ``"auto"`` or a positive int (not a bool).
 
     Examples:
-        >>> check_chunk("auto"), check_chunk(4)
-        ('auto', 4)
         >>> check_chunk(0)
         Traceback (most recent call last):
         ValueError: chunk=0 must be 'auto' or a positive int.
@@ -210,16 +202,13 @@ def check_device(device: Any) -> jax.Device | None:
     """A ``jax.Device`` or None (a name such as ``"cpu"`` is not a device).
 
     Examples:
-        >>> check_device(None) is None, check_device(jax.devices()[0]) is jax.devices()[0]
-        (True, True)
         >>> check_device("cpu")
         Traceback (most recent call last):
         TypeError: device must be a jax.Device such as jax.devices()[0], or None, got 'cpu' (str).
     """
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(
-            "device must be a jax.Device such as jax.devices()[0], or None, got "
-            f"{device!r} ({type(device).__name__})."
+            f"device must be a jax.Device such as jax.devices()[0], or None, got {_got(device)}."
         )
     return device
 
@@ -236,9 +225,9 @@ def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> 
     """
     if multiple_of > T:
         raise ValueError(f"{multiple_of=} must not exceed target_batch_size={T}.")
-    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
-        return None
     if isinstance(micro_batch_size, str):
+        if micro_batch_size == "auto":
+            return None
         raise TypeError(
             f"micro_batch_size must be 'auto' or a positive int, got {micro_batch_size!r} (str)."
         )
@@ -253,19 +242,9 @@ def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> 
 def refuse_aux_named_loss(
     loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
 ) -> Callable[..., Any]:
-    """``loss_fn``, refusing (when traced) an aux metric named ``"loss"``.
+    """``loss_fn``, refusing (when traced) an aux metric ``"loss"``: it would replace the loss.
 
-    The reported ``loss`` is the weighted mean of the per-example losses; an aux metric
-    of that name would silently replace it. The check runs where the loss is traced
-    first (at ``init``), so it costs no trace of its own; output of another form passes
-    through untouched for the trainer's own error.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> loss = refuse_aux_named_loss(lambda p, b, r: (b, {"loss": b}), True, False)
-        >>> loss(None, jnp.ones(2), None)
-        Traceback (most recent call last):
-        ValueError: loss_fn's aux has a metric named 'loss', which would replace ...
+    It runs at ``init``'s trace; output of another form passes untouched (the trainer's error).
     """
     if not has_aux:
         return loss_fn
@@ -285,23 +264,13 @@ def refuse_aux_named_loss(
     return checked
 
 
-def _dtype(x: Any) -> np.dtype:
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return jax.dtypes.canonicalize_dtype(dtype)
-
-
 def _takes_all(leaves: list, got: Any, specs: list, want: Any, T: int) -> bool:
     """Whether the batch's leaves are ``T`` examples of exactly the specs' shapes and dtypes."""
     if got != want:
         return False
     for x, spec in zip(leaves, specs, strict=True):  # a loop: this runs at every step
         shape = getattr(x, "shape", None)
-        if (
-            shape is None
-            or shape[:1] != (T,)
-            or shape[1:] != spec.shape
-            or getattr(x, "dtype", None) != spec.dtype
-        ):
+        if shape is None or shape != (T, *spec.shape) or getattr(x, "dtype", None) != spec.dtype:
             return False
     return True
 
@@ -309,13 +278,8 @@ def _takes_all(leaves: list, got: Any, specs: list, want: Any, T: int) -> bool:
 def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | None = None) -> None:
     """Raises a one-line error for a batch (or weights) the compiled programs would not take.
 
-    Args:
-        batch: the step's batch.
-        weights: its per-example weights, or None.
-        example: ``ShapeDtypeStruct``s of one example, as the trainer was planned for.
-        T: the target batch size.
-        update: with a batch-size schedule, the update the batch is for (its number of
-            updates so far), named in the error; None for a constant target.
+    ``example`` is one example's ``ShapeDtypeStruct``s, as planned; ``update`` (with a
+    batch-size schedule) the updates so far, named in the error.
 
     Examples:
         >>> example = {"x": jax.ShapeDtypeStruct((3,), np.float32)}
@@ -339,8 +303,8 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
     if got != want:
         raise ValueError(f"the batch's structure {got} differs from example_batch's {want}.")
     for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
-        shape = np.shape(x)
-        have, need = _dtype(x), jax.dtypes.canonicalize_dtype(spec.dtype)
+        shape, dtype = np.shape(x), (x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        have, need = jax.dtypes.canonicalize_dtype(dtype), jax.dtypes.canonicalize_dtype(spec.dtype)
         if shape[1:] == spec.shape and have == need:
             continue  # a dtype JAX casts to the example's (NumPy's float64, x64 off)
         where = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
@@ -369,18 +333,14 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
         >>> moved["x"].devices() == {device}
         True
     """
-    if device is None:
-        return batch
+    if device is None or not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+        return batch  # host arrays: nothing to move
 
     def move(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.devices() != {device}:
-            return jax.device_put(x, device)
-        return x
+        moved = isinstance(x, jax.Array) and x.devices() != {device}
+        return jax.device_put(x, device) if moved else x
 
-    for x in jax.tree.leaves(batch):  # a loop: this runs at every step
-        if isinstance(x, jax.Array):
-            return jax.tree.map(move, batch)
-    return batch  # host arrays: nothing to move
+    return jax.tree.map(move, batch)
 
 
 def check_buckets(buckets: Any) -> tuple[Any, ...]:
@@ -394,26 +354,18 @@ def check_buckets(buckets: Any) -> tuple[Any, ...]:
         TypeError: buckets must be lengths or shapes such as (16, 32) ... got '16' (str).
     """
 
-    def is_bucket(bucket: Any) -> bool:
-        if is_int(bucket):
-            return True
-        return (
-            isinstance(bucket, Sequence)
-            and not isinstance(bucket, str | bytes)
-            and (len(bucket) > 0 and all(is_int(d) for d in bucket))
-        )
+    def is_bucket(b: Any) -> bool:
+        shape = isinstance(b, Sequence) and not isinstance(b, str | bytes) and len(b) > 0
+        return is_int(b) or (shape and all(is_int(d) for d in b))
 
     ok = isinstance(buckets, Iterable) and not isinstance(buckets, str | bytes)
     listed = tuple(buckets) if ok else ()
     if not ok or not all(is_bucket(b) for b in listed):
         raise TypeError(
             "buckets must be lengths or shapes such as (16, 32) or ((32, 32), (64, 64)), "
-            f"got {buckets!r} ({type(buckets).__name__})."
+            f"got {_got(buckets)}."
         )
     return listed
-
-
-# ---------------------------------------------------------------- command-line flags
 
 
 def flag_int(
@@ -421,20 +373,10 @@ def flag_int(
 ) -> int:
     """A command-line flag's int from ``low`` to ``high``, or a one-line `ValueError` naming it.
 
-    A flag's value is the user's text already parsed, so every wrong value (a bool, a
-    float, a number out of range) is a `ValueError`, which the command line prints as
-    its one line.
-
-    Args:
-        flag: the flag as typed (``"--updates"``).
-        value: its value.
-        low: the smallest value allowed (1: "a positive int").
-        high: the largest, if any.
-        high_name: how the message names ``high`` (``"2**31 - 1"``, another flag).
+    Every wrong value (a bool, a float, out of range) is a `ValueError`: the flag's text is
+    already parsed. ``high_name`` names ``high`` in the message (``"2**31 - 1"``, a flag).
 
     Examples:
-        >>> flag_int("--updates", 3), flag_int("--eval-every", 0, low=0)
-        (3, 0)
         >>> flag_int("--updates", 0)
         Traceback (most recent call last):
         ValueError: --updates 0 must be a positive int.
@@ -454,15 +396,10 @@ def flag_number(flag: str, value: Any) -> float:
     """A command-line flag's finite number above 0, or a one-line `ValueError` naming it.
 
     Examples:
-        >>> flag_number("--learning-rate", 3e-3)
-        0.003
         >>> flag_number("--epochs", float("inf"))
         Traceback (most recent call last):
         ValueError: --epochs inf must be a finite number above 0.
     """
-    number = isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool
-    )
-    if not (number and np.isfinite(value) and value > 0):
+    if not (_is_number(value) and np.isfinite(value) and value > 0):
         raise ValueError(f"{flag} {value!r} must be a finite number above 0.")
     return float(value)

@@ -1,16 +1,9 @@
 """Every error the library raises, and the one rule (`is_oom`) for which are out-of-memory.
 
-* Out-of-memory: XLA's own, `SimulatedOutOfMemory` (a ``memory_limit``),
-  `HostOutOfMemory` (a padded micro-batch) and `PeerOutOfMemory` (another process).
-  `catch_oom` catches only these; every other error propagates unchanged.
-* What stopped and what was kept: `NothingFitsError`, `FitError`,
-  `OptimizerStepOutOfMemory`, `StateLostError`.
-
-XLA's out-of-memory is matched on XLA's own words (the status first, or an allocator's
-message with its size), never on any text that merely mentions memory, and never in an
-error that carries a host callback's Python traceback (the user's own text). The texts
-quoted below are as raised by jax 0.10 on a CPU under an address-space limit and jax
-0.11 on an H200 (DESIGN.md, "How OOM surfaces").
+Out-of-memory: XLA's own, `SimulatedOutOfMemory` (a ``memory_limit``), `HostOutOfMemory`
+(a padded micro-batch) and `PeerOutOfMemory` (another process); `catch_oom` catches only
+these. What stopped and what was kept: `NothingFitsError`, `FitError`,
+`OptimizerStepOutOfMemory`, `StateLostError`. The guide: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -35,28 +28,23 @@ __all__ = [
 
 T = TypeVar("T")
 
-# XLA's status first, or after XLA's own wrapper for an earlier run's failure surfacing
-# at a later dispatch (XLA:CPU: "RESOURCE_EXHAUSTED: Out of memory allocating 402653184
-# bytes.", "INTERNAL: Error dispatching computation: Out of memory allocating ..."); the
+# XLA's out-of-memory is matched on XLA's own words, as raised by jax 0.10 on a CPU under
+# an address-space limit (tests/oom_forms_job.py) and jax 0.11 on an H200. Its status
+# counts first, or after XLA's wrapper for an earlier run's failure surfacing at a later
+# dispatch ("INTERNAL: Error dispatching computation: Out of memory allocating ..."); the
 # status anywhere else (inside a user's text) says nothing about who ran out.
-_STATUS = r"RESOURCE_EXHAUSTED: "
-_WRAPPERS = (r"INTERNAL: Error dispatching computation: ",)
-_STATUS_PATTERN = re.compile(rf"(?:{'|'.join(_WRAPPERS)})*{_STATUS}")
+_STATUS_PATTERN = re.compile(r"(?:INTERNAL: Error dispatching computation: )*RESOURCE_EXHAUSTED: ")
 
 # XLA's, PJRT's and the CUDA libraries' words for a failed allocation, each with the size
 # ("402653184 bytes", "3.00GiB") or status name they always carry.
 _SIZE = r"\d+(?:\.\d+)?\s?(?:bytes|[KMGTP]?i?B)"
 _ALLOCATION_FAILURES = (
     rf"Out of memory allocating {_SIZE}",  # XLA:CPU, the PJRT CPU client
-    # XLA:GPU (H200): "... 3.00GiB with allocator GPU_0_bfc on device 0." (BFC) or
-    # "... with allocator SE_0_space_0" (XLA_PYTHON_CLIENT_ALLOCATOR=platform); older XLA
-    # wrote "... 1073741824 bytes.".
+    # XLA:GPU: "... 3.00GiB with allocator GPU_0_bfc on device 0." (or SE_0_space_0, the
+    # platform allocator); older XLA wrote "... 1073741824 bytes.".
     rf"Out of memory while trying to allocate {_SIZE}",
-    # The BFC allocator's own report: "Allocator (GPU_0_bfc) ran out of memory trying to
-    # allocate 3.00GiB (rounded to ...)".
-    rf"Allocator \(\w+\) ran out of memory trying to allocate {_SIZE}",
-    # cuBLAS / cuDNN workspaces, the CUDA driver and runtime (the H200's platform
-    # allocator logged "CUDA_ERROR_OUT_OF_MEMORY: out of memory").
+    rf"Allocator \(\w+\) ran out of memory trying to allocate {_SIZE}",  # the BFC allocator
+    # cuBLAS / cuDNN workspaces, the CUDA driver and runtime (the H200's platform allocator).
     r"\bCUBLAS_STATUS_ALLOC_FAILED\b",
     r"\bCUDNN_STATUS_ALLOC_FAILED\b",
     r"\bCUDA_ERROR_OUT_OF_MEMORY\b",
@@ -64,13 +52,10 @@ _ALLOCATION_FAILURES = (
 )
 _ALLOCATION_PATTERN = re.compile("|".join(_ALLOCATION_FAILURES))
 
-# An exception raised by Python code in a host callback (debug.callback, pure_callback,
-# io_callback, buffer_callback) reaches the caller as the same types as an OOM, its
-# traceback inside: "INTERNAL: CpuCallback error calling callback: Traceback (most
-# recent call last): ...\nRuntimeError: <the user's text>" (CPU, and the H200, where XLA
-# appends " [executable_name='jit_f']"), "INTERNAL: Error when calling buffer callback:
-# Traceback ..." (CPU); jaxlib 0.10 also holds "CpuCallback error: ". XLA's own errors
-# never carry a Python traceback, so one anywhere marks the error as the user's.
+# A host callback's Python error (debug.callback, pure_callback, io_callback,
+# buffer_callback) reaches the caller as the same types, its traceback inside: "INTERNAL:
+# CpuCallback error calling callback: Traceback (most recent call last): ...", "INTERNAL:
+# Error when calling buffer callback: Traceback ...". XLA's own errors never carry one.
 _CALLBACK_MARKERS = (
     "CpuCallback error",
     "Error when calling buffer callback",
@@ -79,9 +64,7 @@ _CALLBACK_MARKERS = (
 
 
 class SimulatedOutOfMemory(RuntimeError):
-    """The out-of-memory a simulated capacity (``memory_limit``) raises.
-
-    Its message starts with ``RESOURCE_EXHAUSTED``, like XLA's own.
+    """The out-of-memory a ``memory_limit`` raises; its message starts ``RESOURCE_EXHAUSTED``.
 
     Examples:
         >>> import jax_adaptive as ja
@@ -90,8 +73,7 @@ class SimulatedOutOfMemory(RuntimeError):
     """
 
     def __init__(self, needed: int, available: int, what: str = "program"):
-        self.needed = int(needed)
-        self.available = int(available)
+        self.needed, self.available = int(needed), int(available)
         super().__init__(
             f"RESOURCE_EXHAUSTED: simulated out of memory: the {what} needs {self.needed:,} "
             f"bytes (estimate) but memory_limit allows {self.available:,} bytes."
@@ -99,15 +81,7 @@ class SimulatedOutOfMemory(RuntimeError):
 
 
 class HostOutOfMemory(RuntimeError):
-    """The host ran out of memory building a padded micro-batch (a copy).
-
-    On a CPU the host's memory is the device's: this is the micro-step's out-of-memory.
-
-    Examples:
-        >>> import jax_adaptive as ja
-        >>> ja.is_oom(HostOutOfMemory(1_000_000))
-        True
-    """
+    """The host ran out of memory copying a padded micro-batch (on a CPU: the micro-step's)."""
 
     def __init__(self, nbytes: int):
         super().__init__(
@@ -119,13 +93,8 @@ class HostOutOfMemory(RuntimeError):
 class PeerOutOfMemory(RuntimeError):
     """Another process of a ``jax.distributed`` job ran out of memory at this micro-step.
 
-    Raised with the peer's own error at the same micro-step, so that all processes shrink
-    together and none waits in a collective the others skip.
-
-    Examples:
-        >>> import jax_adaptive as ja
-        >>> ja.is_oom(PeerOutOfMemory(size=64))
-        True
+    Raised with the peer's own error, so that all processes shrink together and none waits
+    in a collective the others skip.
     """
 
     def __init__(self, size: int):
@@ -138,41 +107,30 @@ class PeerOutOfMemory(RuntimeError):
 def is_oom(exc: BaseException) -> bool:
     r"""Tells whether an exception is an XLA/JAX out-of-memory error, real or simulated.
 
-    Returns:
-        True for `SimulatedOutOfMemory`, `HostOutOfMemory`, `PeerOutOfMemory`, and a
-        ``JaxRuntimeError`` or exact ``ValueError`` (the compiled fast path) whose text is
-        XLA's: ``RESOURCE_EXHAUSTED`` first (or after ``INTERNAL: Error dispatching
-        computation:``), an allocator's message with its size, or a CUDA library's
-        allocation-failure status. False for every other error: one from a host callback
-        (its text carries a Python traceback), a ``RuntimeError`` (XLA never raises one),
-        a text that merely mentions memory.
+    True for the three classes above, and for a ``JaxRuntimeError`` or exact ``ValueError``
+    (the compiled fast path) in XLA's words (the patterns above); false for any other
+    error: a host callback's, a ``RuntimeError``, a text that merely mentions memory.
 
     Examples:
         >>> import jax, jax_adaptive as ja
         >>> ja.is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 402653184 bytes."))
         True
         >>> ja.is_oom(jax.errors.JaxRuntimeError(
-        ...     "INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes."))
-        True
-        >>> ja.is_oom(jax.errors.JaxRuntimeError(
         ...     "INTERNAL: CpuCallback error calling callback: Traceback (most recent call "
         ...     "last):\n  ...\nRuntimeError: CUDA out of memory. failed to allocate 2.00 GiB"))
         False
-        >>> ja.is_oom(ValueError("the loss ran out of memory"))
-        False
-        >>> ja.is_oom(MemoryError())
-        False
+        >>> ja.is_oom(ValueError("the loss ran out of memory")), ja.is_oom(MemoryError())
+        (False, False)
+        >>> is_oom(HostOutOfMemory(8)), is_oom(PeerOutOfMemory(size=64))
+        (True, True)
     """
     if isinstance(exc, SimulatedOutOfMemory | HostOutOfMemory | PeerOutOfMemory):
         return True
-    # XLA raises JaxRuntimeError on a first call and a plain ValueError on the compiled
-    # fast path; any other type (a user's RuntimeError, a ValueError subclass) is not XLA's.
+    # XLA raises JaxRuntimeError on a first call and a plain ValueError on the fast path.
     if not (isinstance(exc, jax.errors.JaxRuntimeError) or type(exc) is ValueError):
         return False
     message = str(exc)
-    # A host callback's error has the types above and the user's text inside: checked
-    # first, so that no text of theirs ("RESOURCE_EXHAUSTED", "Out of memory allocating
-    # 5 bytes") can make it count.
+    # Callbacks first: no text of the user's ("RESOURCE_EXHAUSTED", ...) makes one count.
     if any(marker in message for marker in _CALLBACK_MARKERS):
         return False
     return bool(_STATUS_PATTERN.match(message) or _ALLOCATION_PATTERN.search(message))
@@ -181,13 +139,9 @@ def is_oom(exc: BaseException) -> bool:
 def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     """Runs ``fn``; returns ``(result, None)``, or ``(None, error)`` if it ran out of memory.
 
-    The one place the rule "only out-of-memory is caught" is written: any other error
-    propagates unchanged.
-
     Examples:
-        >>> import jax_adaptive as ja
         >>> def full():
-        ...     raise ja.SimulatedOutOfMemory(needed=2, available=1)
+        ...     raise SimulatedOutOfMemory(needed=2, available=1)
         >>> catch_oom(lambda: 3), catch_oom(full)[0]
         ((3, None), None)
     """
@@ -200,11 +154,7 @@ def catch_oom(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
 
 
 class NothingFitsError(RuntimeError):
-    """Even the smallest candidate size does not fit.
-
-    Attributes:
-        smallest: the smallest candidate.
-        trials: the trials made before giving up.
+    """Even the smallest candidate size, ``.smallest``, does not fit (``.trials`` were made).
 
     Examples:
         >>> import jax_adaptive as ja
@@ -216,8 +166,7 @@ class NothingFitsError(RuntimeError):
     """
 
     def __init__(self, smallest: int, trials: list[Any], detail: str = ""):
-        self.smallest = smallest
-        self.trials = trials
+        self.smallest, self.trials = smallest, trials
         super().__init__(
             f"no size fits: even the smallest candidate, {smallest}, does not fit"
             f"{': ' + detail if detail else ''} (sizes tried: {[t.size for t in trials]})."
@@ -234,16 +183,13 @@ class FitError(RuntimeError):
             None when the error came from the stream, ``after_update`` or ``on_update``.
 
     Examples:
-        >>> from jax_adaptive.loop import fit_loop
-        >>> def step(state, batch):
-        ...     if batch < 0:
-        ...         raise ValueError(f"bad batch {batch}")
-        ...     return state + batch, {"loss": batch, "examples": 1}
+        >>> import jax_adaptive as ja, jax_adaptive.loop
+        >>> step = lambda state, batch: (state + 6 // batch, {"loss": batch, "examples": 1})
         >>> try:
-        ...     fit_loop(step, 0, [1, 2, -3, 4])
-        ... except FitError as error:
+        ...     ja.loop.fit_loop(step, 0, [1, 2, 0, 4])
+        ... except ja.FitError as error:
         ...     print(error.state, len(error.history), error.batch, repr(error.__cause__))
-        3 2 -3 ValueError('bad batch -3')
+        9 2 0 ZeroDivisionError('integer division or modulo by zero')
     """
 
     def __init__(self, state: Any, history: list[dict[str, Any]], batch: Any, cause: BaseException):
@@ -259,8 +205,7 @@ class FitError(RuntimeError):
 class OptimizerStepOutOfMemory(RuntimeError):
     """The optimizer step ran out of memory; ``.state`` is the update's intact start state.
 
-    Its need does not depend on the micro-batch size, so shrinking cannot help: free
-    device memory, then call ``step(error.state, batch)`` again.
+    Shrinking cannot help: free device memory, then call ``step(error.state, batch)`` again.
 
     Examples:
         >>> error = OptimizerStepOutOfMemory(state="the update's start state")
