@@ -73,14 +73,7 @@ class Executable(NamedTuple):
 def compile_measured(
     lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
 ) -> Executable:
-    """Compiles what ``lower()`` lowers, timed, with XLA's memory report (after ``fault_hook``).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> program = compile_measured(lambda: jax.jit(jnp.sin).lower(jnp.ones(4)))
-        >>> program.report["output"] >= 16 and program.seconds > 0
-        True
-    """
+    """Compiles what ``lower()`` lowers, timed, with XLA's memory report (after ``fault_hook``)."""
     start = time.perf_counter()
     if fault_hook is not None:
         fault_hook.before_compile(size)
@@ -326,11 +319,11 @@ class Binding:
         """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
         return what in self._ran
 
-    def failed(self, exc: BaseException, size: int, reason: str) -> bool:
+    def failed(self, exc: BaseException, size: int, reason: str, least: int = 1) -> bool:
         """Records that ``size`` ran out of memory; returns whether it was real.
 
         A real one teaches a capacity below the peak: less ``headroom`` the first time
-        since `start`, halfway down to the resident bytes after
+        since `start`, halfway down to the bytes of the smallest size, ``least``, after
         (`jax_adaptive.memory.learned_capacity`).
         """
         real, peak = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory), self.peak(size)
@@ -341,7 +334,7 @@ class Binding:
         self._streak += 1
         if real and peak is not None:
             self._real_ooms += 1
-            floor = self.sized.resident + self.sized.inputs(1)  # below every size's ledger
+            floor = self.sized.resident + self.sized.inputs(least)  # below every size's ledger
             self.learned_cap = learned_capacity(
                 peak, self.engine.headroom, self._real_ooms == 1, self.learned_cap, floor
             )
@@ -356,7 +349,7 @@ class Binding:
         ``oom_retries`` times in a row (it can pass: another job's peak); past that, or
         for a simulated one, `jax_adaptive.NothingFitsError` is raised from ``exc``.
         """
-        real = self.failed(exc, size, reason)
+        real = self.failed(exc, size, reason, least)
         try:
             if size <= least:
                 raise self.nothing_fits(size, []) from exc
@@ -439,9 +432,7 @@ class Sizing:
     def set_memory_limit(self, memory_limit: int | None) -> bool:
         """Changes the cap; returns whether it was raised (a larger size may fit now)."""
         old, self.memory_limit = self.memory_limit, checks.check_limit(memory_limit)
-        if memory_limit is None:
-            return old is not None
-        return old is not None and memory_limit > old
+        return old is not None and (memory_limit is None or memory_limit > old)
 
     def bind(self, signature: Hashable, sized: Callable[[], Sized]) -> Binding:
         """The `Binding` of ``signature``'s program (``sized()`` makes it once; kept after)."""
