@@ -31,7 +31,7 @@ def interrupts_deferred() -> Iterator[list[int]]:
     kept by the next; a new state kept with the batch it trained on): a blocking wait
     belongs outside it, or the interrupt would wait too. Only in the main thread under
     Python's default SIGINT handler (elsewhere it holds nothing); a block inside another
-    holds nothing of its own. Yields the signals held: clearing it drops them.
+    shares the outer one's. Yields the signals held: clearing it drops them.
 
     Examples:
         >>> import os, signal
@@ -39,18 +39,22 @@ def interrupts_deferred() -> Iterator[list[int]]:
         ...     os.kill(os.getpid(), signal.SIGINT)  # held, not raised here
         ...     held.clear()  # and dropped
     """
-    nested = getattr(_deferring, "active", False)
+    outer = getattr(_deferring, "held", None)
     main = threading.current_thread() is threading.main_thread()
-    if nested or not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield []
+    if (
+        outer is not None
+        or not main
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield [] if outer is None else outer
         return
     held: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    _deferring.active = True
+    _deferring.held = held
     try:
         yield held
     finally:
-        _deferring.active = False
+        _deferring.held = None
         signal.signal(signal.SIGINT, previous)
         if held:
             raise KeyboardInterrupt
@@ -59,9 +63,8 @@ def interrupts_deferred() -> Iterator[list[int]]:
 class Unread(NamedTuple):
     """What a closed `ReadAhead` had read and nobody took: ``items``, then ``error``.
 
-    ``error`` is the exception the stream raised after those items (None: none);
-    ``rest``, when a read was still in progress at close, waits for it and gives what
-    follows (its item, or its error).
+    ``error``: what the stream raised after those items (None: none). ``rest``: for a
+    read in progress at close, waits for it and gives what follows (an `Unread`).
     """
 
     items: list[Any]
@@ -69,12 +72,7 @@ class Unread(NamedTuple):
     rest: Callable[[], Unread] | None = None
 
     def __bool__(self) -> bool:
-        """Whether anything was handed back: an item, the stream's error, a read to come.
-
-        Examples:
-            >>> bool(Unread([])), bool(Unread([1])), bool(Unread([], OSError("gone")))
-            (False, True, True)
-        """
+        """Whether anything was handed back: an item, the stream's error, a read to come."""
         return bool(self.items) or self.error is not None or self.rest is not None
 
 
@@ -105,10 +103,9 @@ def _read(
 class ReadAhead:
     """Reads ``iterator`` in a background thread, at most ``depth`` items ahead.
 
-    Iterating it yields the iterator's items in order, then raises what the iterator
-    raised (its StopIteration, or its error, with its traceback). The iterator is read
-    in the thread only, until `close` and its `Unread.rest`. Close it to get back what it
-    read ahead; a reader dropped unclosed stops, and what it read is lost.
+    It yields the iterator's items in order, then raises what the iterator raised (its
+    StopIteration, or its error). The iterator is read in the thread only, until `close`
+    and its `Unread.rest`; a reader dropped unclosed stops, and what it read is lost.
 
     Args:
         iterator: any iterator (a generator, a loader); read from one thread at a time.
@@ -174,10 +171,9 @@ class ReadAhead:
         """Stops reading; hands back what was read and not taken, after ``grace`` at most.
 
         Returns:
-            The `Unread` items, in the stream's order, and the stream's error if it
-            raised one while read ahead (not raised here). A read still in progress after
-            ``grace`` seconds goes on in the thread, which then ends: ``rest`` waits for
-            it. A stream that ended stays ended.
+            The `Unread` items and the stream's error (not raised here). A read still in
+            progress after ``grace`` seconds goes on in the thread, which then ends:
+            ``rest`` waits for it. A stream that ended stays ended.
         """
         with interrupts_deferred() as held:
             self._stop()

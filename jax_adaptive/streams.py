@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
-from jax_adaptive.read_ahead import ReadAhead, Unread
+from jax_adaptive.read_ahead import ReadAhead, Unread, interrupts_deferred
 
 __all__ = ["Feed", "Left"]
 
@@ -40,9 +40,8 @@ class Left(Generic[T]):
     def reader(self, source: Iterable[Any]) -> tuple[Iterator[Any], T, Callable[[], None]]:
         """``iter(source)``, what waits in it, and what to call after each change to that.
 
-        Only the caller's own iterator (``iter(source) is source``) hands what waits in
-        it to its next reader (the call is `keep`); an iterable that is not one (a list)
-        is read afresh, from an empty `make()`, and the call keeps nothing.
+        Only an iterator (``iter(source) is source``) keeps what waits for its next reader;
+        another iterable (a list) is read afresh, from an empty `make()`.
         """
         iterator = iter(source)
         if iterator is not source:
@@ -51,10 +50,7 @@ class Left(Generic[T]):
         return iterator, waiting, lambda: self.keep(iterator, waiting)
 
     def of(self, iterator: Any) -> T:
-        """What waits in ``iterator``: an empty `make()` for a new one.
-
-        Change it in place, and call `keep` after each change.
-        """
+        """What waits in ``iterator`` (an empty `make()` if new): `keep` it after a change."""
         try:
             return self._weak.setdefault(iterator, self.make())
         except TypeError:  # no weak reference (or not hashable): by identity, held
@@ -108,15 +104,16 @@ class Feed:
     def wait(self) -> None:
         """Blocks (a Ctrl-C interrupts it) until `next` can take an item without waiting.
 
-        A read an earlier reader left in progress (`Unread.rest`) is waited for here.
-        Without ``read_ahead`` the read itself happens in `next`.
+        Waits for a read an earlier reader left in progress; without ``read_ahead`` the
+        read itself happens in `next`.
         """
         unread = self._left.unread
         while not unread.items and unread.error is None and unread.rest is not None:
             unread = self._left.unread = unread.rest()
         if not unread and self.read_ahead:
             if self._reader is None:  # started once what was handed back is taken
-                self._reader = ReadAhead(self._iterator, self.read_ahead)
+                with interrupts_deferred():  # a thread started is a reader `close` stops
+                    self._reader = ReadAhead(self._iterator, self.read_ahead)
             self._reader.wait()
 
     def __next__(self) -> Any:
@@ -127,15 +124,11 @@ class Feed:
         if unread.error is not None:
             self._left.unread = Unread([])
             raise unread.error
-        if not self.read_ahead:
-            return next(self._iterator)
-        return next(self._reader)
+        return next(self._reader if self.read_ahead else self._iterator)
 
     def close(self) -> None:
-        """Stops reading ahead; hands back what was not taken (a read in progress follows).
-
-        Iterating again reads ahead again. Without ``read_ahead`` there is nothing to stop.
-        """
-        if self._reader is not None:
-            reader, self._reader = self._reader, None
-            self._left.unread = reader.close()  # it started with nothing handed back
+        """Stops reading ahead; hands back what was not taken (a read in progress follows)."""
+        with interrupts_deferred():  # the reader dropped is the reader closed
+            if self._reader is not None:
+                reader, self._reader = self._reader, None
+                self._left.unread = reader.close()  # it started with nothing handed back

@@ -242,20 +242,29 @@ def test_a_malformed_chunk_is_reported_once_with_its_position_and_not_handed_bac
 
 @contextlib.contextmanager
 def _interrupt_main_after(seconds):
-    """SIGINT to the main thread after ``seconds``, as a Ctrl-C in a terminal delivers it.
+    """SIGINT to the main thread ``seconds`` after the block starts, as a Ctrl-C delivers it.
 
-    The block must end by it: the signal never lands outside the block.
+    The block must end by it: the signal never lands outside the block. The clock starts
+    once the thread is running (a `threading.Timer` of about 0 s could fire while the
+    main thread still waits in its ``start``, before the block).
     """
-    main = threading.main_thread().ident
-    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
+    main, armed = threading.main_thread().ident, threading.Event()
+
+    def fire():
+        armed.wait()
+        time.sleep(seconds)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    thread = threading.Thread(target=fire)
+    thread.start()
     try:
         with pytest.raises(KeyboardInterrupt) as info:
+            armed.set()
             yield info
-            timer.join()  # the block ended before the signal: wait for it here
+            thread.join()  # the block ended before the signal: wait for it here
     finally:
-        timer.cancel()
-        timer.join()
+        armed.set()
+        thread.join()
 
 
 def test_ctrl_c_at_any_moment_of_fit_with_read_ahead_loses_no_example():
@@ -272,7 +281,7 @@ def test_ctrl_c_at_any_moment_of_fit_with_read_ahead_loses_no_example():
     # leak the cache file (JAX's, not ours), which the test's warnings-as-errors catches.
     state, _ = t.fit(state, it, num_updates=1, read_ahead=2)
     for _ in range(30):  # the stream never ends: every fit ends by the interrupt
-        with _interrupt_main_after(rng.uniform(0.0, 0.03)) as info:
+        with _interrupt_main_after(rng.uniform(0.001, 0.03)) as info:
             t.fit(state, it, read_ahead=2)
         state = info.value.state
     done = int(state.updates)
