@@ -48,12 +48,8 @@ def pow2_buckets(max_length: int, min_length: int = 16) -> tuple[int, ...]:
     """
     if min_length < 1 or max_length < min_length:
         raise ValueError(f"need 1 <= {min_length=} <= {max_length=}.")
-    sizes = []
-    size = 1 << (min_length - 1).bit_length()
-    while size < max_length:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, max_length)
+    low, high = (min_length - 1).bit_length(), (max_length - 1).bit_length()
+    return (*(1 << k for k in range(low, high)), max_length)
 
 
 Bucket = int | tuple[int, ...]
@@ -313,8 +309,7 @@ class BucketedTrainer:
         self.count_tokens = count_tokens or (
             lambda b: np.asarray(b[mask_key]).reshape(len(b[mask_key]), -1).sum(axis=1)
         )
-        self.predict = predict
-        self.trainer_kwargs = trainer_kwargs
+        self.predict, self.trainer_kwargs = predict, trainer_kwargs
         self.axes = len(_dims(buckets[0]))
         self.trainers: dict[Bucket, AdaptiveTrainer] = {}
         self.sizing: Sizing | None = None  # the buckets' one engine, once the first is made
@@ -322,14 +317,7 @@ class BucketedTrainer:
         self._points: dict[tuple[int, int], int] = {}  # (positions, size) -> estimated bytes
 
     def examples_per_update(self, bucket: Bucket) -> int:
-        """Examples in an update of ``bucket``.
-
-        Examples:
-            >>> import optax, jax_adaptive as ja
-            >>> ja.BucketedTrainer(lambda p, b, r: b["x"].sum(1), optax.sgd(1.0),
-            ...     buckets=(64, 128), target_tokens=4096).examples_per_update(128)
-            32
-        """
+        """Examples in an update of ``bucket`` (``target_tokens // L`` in bucket ``L``)."""
         if self.target_batch_size is not None:
             return self.target_batch_size
         return self.target_tokens // _volume(bucket)
@@ -388,23 +376,11 @@ class BucketedTrainer:
         on_update: Callable[[int, dict[str, Any]], None] | None = None,
         read_ahead: int = 0,
     ) -> tuple[TrainState, list[dict[str, Any]]]:
-        """Trains on a stream of sequences, bucketed by `bucket_batches`.
+        """Trains on a stream of sequences bucketed by `bucket_batches`.
 
-        The sequences read and not yet trained on stay with the stream's iterator:
-        ``fit(state, it, n)`` called again on ``it`` starts with them.
-
-        Args:
-            state: from `init`.
-            sequences: dicts of per-sequence arrays.
-            num_updates: stop after this many updates (None: when the stream ends).
-            on_update: called as ``on_update(update, metrics)`` after each update.
-            read_ahead: sequences a background thread reads while updates run (0: none).
-
-        Returns:
-            The state and one metrics dict (host values) per update.
-
-        Raises:
-            FitError: any error part-way, as `jax_adaptive.AdaptiveTrainer.fit`.
+        The arguments, result and errors are `jax_adaptive.AdaptiveTrainer.fit`'s
+        (``read_ahead`` counts sequences); the sequences read and not trained on stay with
+        the stream's iterator.
         """
         sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
         batches = bucket_batches(sequences, sizes, self.mask_key, read_ahead=read_ahead)

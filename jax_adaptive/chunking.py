@@ -29,9 +29,8 @@ log = logging.getLogger("jax_adaptive")
 _UNDECIDED: Any = object()  # the fused last program before it is decided
 
 SLOWER_CHUNK = 2.0
-"""On a CPU, a chunk whose program takes over this many times its micro-steps run one by
-one is not taken (`Chunking.settle`): a chunk saves dispatches, and the slow loops it
-guards against cost several times that (the warning gives the ratio measured)."""
+"""On a CPU, a chunk whose program takes over this many times its micro-steps one by one
+is not taken (`Chunking.settle`); the warning gives the ratio measured."""
 
 
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
@@ -81,10 +80,7 @@ class Chunking:
         self._speed.clear()
 
     def forget(self, chunk: bool = True) -> None:
-        """Decides again at the next update: the size, the target or the limit changed.
-
-        ``chunk=False`` keeps the chunk (several processes agreed on it together).
-        """
+        """Decides again at the next update (``chunk=False``: the agreed chunk stays)."""
         self._final = _UNDECIDED
         if chunk:
             self.chunk_of = None
@@ -92,18 +88,16 @@ class Chunking:
     def chunk(self, size: int, T: int) -> int:
         """Micro-steps per dispatch for ``size`` in updates of ``T``, decided once.
 
-        Every process runs the same programs: under ``jax.distributed`` the chunk is
-        the shortest any process chose (their capacities may differ).
+        Under ``jax.distributed``, the shortest any process chose: all run the same programs.
         """
         if self.chunk_of is None:
             self.chunk_of = process_min(self._chunk_for(size, T))
         return self.chunk_of
 
     def _chunk_for(self, size: int, T: int) -> int:
-        """Micro-steps per dispatch for ``size``: as few dispatches as the capacity allows.
+        """As few dispatches as the capacity allows, the chosen chunk's own ledger checked.
 
-        A chunk's ledger grows by its examples only (the scan reuses one micro-step's
-        temporaries); the chosen chunk is compiled and its own ledger checked.
+        A chunk's ledger grows by its examples only: the scan reuses one micro-step's temporaries.
         """
         steps = math.ceil(T / size)
         if self.limit != "auto":
@@ -207,16 +201,10 @@ class Chunking:
         return False
 
     def unchunk(self, size: int) -> None:
-        """After a program of several micro-steps, or the optimizer step's, ran out of memory.
-
-        From then on, for this size: one micro-step per dispatch and the optimizer
-        step apart, the least each program needs.
-        """
+        """After a chunk, or the fused optimizer step, ran out of memory: the least from now on."""
         log.warning(
             "a program of %d micro-steps of %d%s ran out of memory: one micro-step per "
             "dispatch from now on, the optimizer step apart",
-            self.chunk_of or 1,
-            size,
-            " and the optimizer step" if self.fused else "",
-        )
+            self.chunk_of or 1, size, " and the optimizer step" if self.fused else "",
+        )  # fmt: skip
         self.chunk_of, self._final = 1, None

@@ -142,11 +142,8 @@ def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]
     total = leading_size(batch)
     for offset in range(start, total, size):
         real = min(size, total - offset)
-        idx = None
-        if real < size:
-            idx = offset + np.arange(size) % real
-        mask = np.arange(size) < real
-        yield MicroBatch(_cut(batch, offset, idx, size), mask, offset)
+        idx = offset + np.arange(size) % real if real < size else None
+        yield MicroBatch(_cut(batch, offset, idx, size), np.arange(size) < real, offset)
 
 
 class ExampleQueue:
@@ -432,16 +429,14 @@ def synthetic_sequences(
 
     Each sequence counts up from a random start by its own random step (1 to 7), modulo
     ``vocab_size``: after two tokens every next token is predictable, so a language
-    model's loss falls from ``log(vocab_size)`` towards zero. Lengths are log-normal
-    (median ``median_length``, log-space deviation ``sigma``), clipped to
-    ``[min_length, max_length]``: many short sequences and a long tail.
+    model's loss falls from ``log(vocab_size)`` towards zero.
 
     Args:
         num_sequences: how many; None for an endless stream.
         vocab_size: the number of token ids.
-        max_length: the longest sequence.
-        median_length: the median length.
-        sigma: the spread of the log-lengths.
+        max_length: the longest sequence (lengths are clipped to ``[min_length, max_length]``).
+        median_length: the lengths' median.
+        sigma: the log-lengths' standard deviation.
         min_length: the shortest sequence.
         seed: the stream's seed.
 

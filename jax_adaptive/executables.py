@@ -87,19 +87,6 @@ class Executables:
         per_device: each device accumulates its own gradient (decided at `bind`).
         acc_struct, totals_struct: the accumulator and totals the micro-steps carry
             (``[D, ...]`` when `per_device`).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, numpy as np, optax
-        >>> from jax_adaptive.distributed import Placement
-        >>> loss = lambda p, b, r: (b @ p) ** 2
-        >>> ex = Executables(loss, optax.adam(0.1), Sizing("micro-step of"),
-        ...                  everywhere=Placement().everywhere, key=dict)
-        >>> state = TrainState(jnp.ones(256), optax.MultiSteps(optax.adam(0.1), 1).init(
-        ...     jnp.ones(256)), (), jax.random.key(0))
-        >>> _ = ex.bind(jax.device_put(state), np.ones((8, 256), np.float32))
-        >>> ledger = ex.ledger(4)
-        >>> ledger.state >= 4 * 1024  # params, both moments and the accumulator
-        True
     """
 
     def __init__(

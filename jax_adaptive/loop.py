@@ -82,10 +82,8 @@ def fit_loop(
         batches: the stream.
         num_updates: how many updates to run; None runs until the stream ends.
         progress: show a progress bar (update, loss, examples/s, micro-batch, steps).
-        on_update: called with the update's number and metrics after each (after
-            ``after_update``, whose metrics it sees).
-        retries: how many times in a row one batch's update is run again after its
-            optimizer step ran out of memory.
+        on_update: called as ``on_update(update, metrics)`` after ``after_update``.
+        retries: times in a row one batch's update is retried after its optimizer step's OOM.
         after_update: called with the update's number, new state and metrics (host
             values) after each update; the metrics it returns join that update's.
         start: the updates done before this call (a resumed run's): numbering and the
@@ -107,16 +105,12 @@ def fit_loop(
             exhausted, too), with the last good state, the history and the batch in flight.
 
     Examples:
-        >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
-        ...                           0, [1, 2, 3], num_updates=2)
-        >>> state, [h["loss"] for h in history]
-        (3, [1, 2])
         >>> seen, it, left = [], iter([3, 4, 5]), []  # a resumed run: updates 3 and 4
         >>> state, history = fit_loop(lambda s, b: (s + b, {"loss": b, "examples": 1}),
         ...                           3, it, 2, start=2, on_update=lambda u, m: seen.append(u),
         ...                           read_ahead=1, unread=lambda u: left.extend(u.items))
-        >>> state, seen, left + list(it)  # 5: read ahead and handed back, or not yet read
-        (10, [3, 4], [5])
+        >>> state, seen, [h["loss"] for h in history], left + list(it)  # 5: handed back
+        (10, [3, 4], [3, 4], [5])
     """
     from tqdm.auto import tqdm
 

@@ -29,10 +29,8 @@ class SizeTrial(NamedTuple):
         fits: the answer.
         estimated_bytes: the ledger's total (None if it did not compile).
         seconds: what deciding cost (compile, run).
-        decided_by: ``"estimate"`` (a fresh compile's ledger against the capacity),
-            ``"cache"`` (measured before), ``"compile"`` or ``"run"`` (either ran out of
-            memory), ``"learned"`` (above the capacity real runs taught) or ``"plan
-            cache"`` (a run of the same job stored it; its first run is still guarded).
+        decided_by: ``"estimate"``, ``"cache"``, ``"compile"``, ``"run"``, ``"learned"`` or
+            ``"plan cache"`` (`describe` says each in words).
         reason: why the search ran (``"init"``, ``"out of memory at size 64"``, ...).
         state_bytes: the `Ledger`'s ``state``.
         in_flight_bytes: its ``in_flight``.

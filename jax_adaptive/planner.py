@@ -124,11 +124,7 @@ class Planner:
             raise SimulatedOutOfMemory(needed, capacity, what=f"chunk of {chunk} x {size}")
 
     def optimizer_step(self) -> tuple[Executable, bool]:
-        """The optimizer step to use, and whether it donates the state.
-
-        Without donation (a failure loses nothing) when the state twice fits; donating
-        the state when only that fits.
-        """
+        """The optimizer step, and whether it donates the state (if the state twice cannot fit)."""
         capacity = self.capacity()
         for donate in (False, True):
             executable = self.executables.optimizer_step(donate)
@@ -171,10 +167,7 @@ class Planner:
     # ------------------------------------------------------------ planning
 
     def plan_for(self, state: TrainState, target_batch_size: int | None = None) -> int:
-        """Plans the size for a bound state: fixed, from the plan cache, or searched.
-
-        ``target_batch_size``: the next update's (a schedule's), if it changed.
-        """
+        """Plans the size for a bound state (``target_batch_size``: a schedule's, if changed)."""
         if target_batch_size is not None:
             self.target_batch_size = target_batch_size
         self.chunking.reset()  # another shape: its chunks are its own
@@ -286,8 +279,7 @@ class Planner:
             )
             if error is not None:
                 continue  # a real out-of-memory: not a candidate
-            seconds *= math.ceil(T / size)
-            timings[size] = seconds
+            timings[size] = seconds = seconds * math.ceil(T / size)
             self.throughput_log.append(
                 {"size": size, "seconds_per_update": seconds, "examples_per_second": T / seconds}
             )
@@ -306,8 +298,7 @@ class Planner:
         on_limit = self.grow == "on_limit_change" and process_any(self._limit_raised)
         if not (periodic or on_limit):
             return
-        self._limit_raised = False
-        self._updates_since_grow = 0
+        self._limit_raised, self._updates_since_grow = False, 0
         if periodic:
             self.program.forget_learned()  # memory may have come back: real runs decide
         self.sizing.measure_others(tree_bytes(self.executables.state_structs))
@@ -324,9 +315,8 @@ class Planner:
     def _follow_limit(self) -> None:
         """Notes a limit changed since the plan (on the engine, maybe by another trainer).
 
-        A raise lets the size grow. The chunk and the fused last program are decided
-        again; with several processes the chunk stays (they agreed on it, and a limit is
-        one process's news): over a lowered limit it fails its check and falls back.
+        A raise lets the size grow; the chunk and the fused program are decided again, but
+        for the chunk several processes agreed on (over a lowered limit it fails its check).
         """
         old, limit = self._limit, self.sizing.memory_limit
         if limit == old:

@@ -105,12 +105,6 @@ class ScheduleCursor:
 
     Attributes:
         next_update: the update the next step makes (of the last state seen).
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> cursor = ScheduleCursor(BatchSchedule([(0, 8), (2, 16)]), shards=1)
-        >>> cursor.seen(jnp.int32(2)), cursor.target
-        (2, 16)
     """
 
     def __init__(self, schedule: BatchSchedule, shards: int):

@@ -28,15 +28,6 @@ class FaultInjector:
     Attributes:
         executions_seen: micro-step executions so far.
         injected: the (execution number, size) of each injected failure.
-
-    Examples:
-        >>> injector = FaultInjector(executions={2})
-        >>> injector.before_execution(8, ())
-        >>> try:
-        ...     injector.before_execution(8, ())
-        ... except Exception as exc:
-        ...     print(type(exc).__name__, "RESOURCE_EXHAUSTED" in str(exc))
-        JaxRuntimeError True
     """
 
     def __init__(

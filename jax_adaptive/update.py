@@ -1,37 +1,14 @@
 """One exact update: the micro-steps of a target batch, then the optimizer step.
 
-`Updater.run` cuts the batch into micro-batches of the planned size, keeps at most
-``in_flight`` micro-steps dispatched and not finished (1 by default; each holds its
-micro-batch, as the ledger counts), and applies the optimizer once. An out-of-memory
-in any micro-step (real, or simulated by the capacity) leaves the parameters, the
-optimizer state and the model state alive (the micro-step donates only the
-accumulator), so the planner shrinks the size and the update goes on from the last
-micro-step that survived, or starts again: nothing is lost and no example is counted
-twice. A row of weight 0 holds a live row's inputs before any micro-batch is cut
-(`jax_adaptive.step.live_source`): it never reaches the gradient, even where its own
-loss would be NaN.
-
-What every update passes the same (the totals' zeros, the offsets, ``k`` and ``T``)
-lives on the device, made once: a host argument is a transfer in every call.
-
-The update's last program runs the optimizer step too when the planner fused them
-(`jax_adaptive.chunking.Chunking.final`: its ledger fits, one process): one dispatch and
-one wait fewer. It donates what a micro-step donates, never the state, so its failure
-loses nothing either; the update then runs again with the optimizer step apart. When
-it is the whole update it starts from zeros and leaves the state's accumulator (zeros
-between updates) unread and undonated, to be the new state's: no state-sized zeros
-are written per update.
-
-A new size's first update, and an update that already failed, keep a host copy of what
-a failure could lose and the micro-step changes (the accumulator, the totals, the model
-state and the mini-step count), never the inner optimizer state the micro-step only
-reads. `Updater.host_bytes` counts those copies.
-
-When each device accumulates its own gradient (`Executables.per_device`), an update
-starts from a fresh per-device accumulator and releases the state's own, which is zero
-between updates (the optimizer step resets it) and which a micro-step would otherwise
-have donated: a device holds one accumulator, as the ledger counts. The optimizer step
-sums the devices' accumulators and returns the state's accumulator reset.
+How an update runs and recovers: docs/recovery.md. A micro-step donates only the
+accumulator, so an out-of-memory leaves the parameters, the optimizer state and the model
+state alive: the update goes on from the last micro-step that survived (or its host
+copy) or starts again. The fused last program (`jax_adaptive.chunking.Chunking.final`)
+donates what a micro-step donates, never the state; as the whole update it starts from
+zeros and leaves the state's accumulator (zeros between updates) unread, to be the new
+state's. When each device accumulates its own gradient (`Executables.per_device`), an
+update starts from a fresh per-device accumulator and releases the state's: a device
+holds one, as the ledger counts.
 """
 
 from __future__ import annotations
@@ -47,12 +24,7 @@ import numpy as np
 
 from jax_adaptive.data import micro_batches
 from jax_adaptive.distributed import Placement, agreed, host_copy, place, process_min
-from jax_adaptive.errors import (
-    OptimizerStepOutOfMemory,
-    StateLostError,
-    catch_oom,
-    is_oom,
-)
+from jax_adaptive.errors import OptimizerStepOutOfMemory, StateLostError, catch_oom, is_oom
 from jax_adaptive.executables import zeros
 from jax_adaptive.memory import tree_bytes
 from jax_adaptive.planner import Planner
@@ -99,22 +71,11 @@ def _ready(out: tuple) -> tuple:
     return out
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
-    """``array``, which nothing can write from now on: every update starts from it.
-
-    A program's call copies a host argument to the device, donated or not.
-    """
-    array.flags.writeable = False
-    return array
-
-
 def _live_inputs(batch: Batch, weights: np.ndarray) -> Batch:
     """``batch`` with each row of weight 0 holding a live row's inputs (`live_source`).
 
-    A row of weight 0 must not reach the gradient, and its own inputs could give a NaN
-    loss whose zero cotangent still makes NaN partials. Done once per update, before
-    the micro-batches are cut (their padding then repeats live rows); a batch with no
-    row of weight 0, or none of another weight, is passed as it is, copied never.
+    Its own inputs could give a NaN loss, whose zero cotangent still makes NaN partials.
+    Done before the micro-batches are cut; a batch all live (or none) is passed as it is.
     """
     live = weights != 0
     if live.all() or not live.any():
@@ -158,11 +119,9 @@ class Updater:
         return self.planner.target_batch_size
 
     def run(self, state: TrainState, batch: Batch, weights: Any = None) -> tuple[TrainState, dict]:
-        """One update of ``state`` on ``batch`` (``weights``: per example, 1 by default).
+        """One update of ``state`` on ``batch`` of ``T`` examples (``weights``: 1 by default).
 
-        The batch holds the planner's target batch size of examples; the programs take
-        that size at run time, so a schedule's new size compiles nothing for the sizes
-        already compiled.
+        The programs take ``T`` at run time: a new ``T`` compiles no size again.
         """
         self.planner.start_update()
         weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
@@ -209,15 +168,11 @@ class Updater:
     def _accumulate(self, state, batch, size: int, p: _Progress, cautious: bool) -> None:
         """Runs the micro-steps of ``size`` from ``p.offset`` to the end of the batch.
 
-        They run a chunk at a time (``chunking.chunk`` micro-steps in one program), the
-        update's last ones one at a time when fewer than a chunk remain; the last
-        program runs the optimizer step too when the planner fused them
-        (`jax_adaptive.chunking.Chunking.final`), its results then in ``p.done``. At most
-        ``in_flight`` programs are dispatched and not finished: the next examples go to
-        the device with their program, once the oldest is done (the ledger counts
-        them). ``cautious`` (after an out-of-memory in this update) and a program's
-        first run also wait for each program before the next runs and keep a host copy
-        of its result, so a failure costs one program's micro-steps, not the update.
+        A chunk at a time (the last ones one at a time when fewer than a chunk remain),
+        the last program with the optimizer step when fused (its results in ``p.done``),
+        at most ``in_flight`` programs dispatched and not finished. ``cautious`` (after
+        an out-of-memory in this update) and a program's first run wait for each program
+        and keep a host copy of its result: a failure costs one program, not the update.
         """
         T = self.T
         self.chunking.settle(state, size, T)  # the chunk, timed once on a CPU
@@ -279,8 +234,10 @@ class Updater:
     @staticmethod
     @functools.lru_cache(maxsize=8)
     def _ones(T: int) -> np.ndarray:
-        """Weights of 1, read-only."""
-        return _read_only(np.ones(T, np.float32))
+        """Weights of 1, read-only: every update starts from them."""
+        ones = np.ones(T, np.float32)
+        ones.flags.writeable = False
+        return ones
 
     def _rows(self, batch: tuple[Batch, np.ndarray], start: int, n: int) -> tuple[Batch, Any]:
         """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0."""
@@ -299,13 +256,10 @@ class Updater:
     def _execute(self, program: Any, args: MicroArgs, size: int) -> Any:
         """Runs one program of micro-steps (the fault hook first), agreed between processes.
 
-        With one process it only dispatches. Under ``jax.distributed``, a micro-step
-        whose devices accumulate their own gradient runs no collective: each process
-        runs it to its end and the processes then agree on whether any ran out of
-        memory in it, so an out-of-memory inside one process's run makes all shrink
-        together and none waits for it (an injected fault stands for such a run). An
-        SPMD micro-step reduces inside its run: a process that failed would leave the
-        others waiting in it, so they agree before it runs.
+        Under ``jax.distributed`` a per-device micro-step runs no collective: each process
+        runs it to its end (an injected fault stands for such a run), then all agree
+        whether any ran out of memory. An SPMD one reduces inside its run: they agree
+        before it runs.
         """
         hook = self.sizing.fault_hook
 

@@ -92,20 +92,6 @@ class Checkpoints:
         max_to_keep: how many to keep.
         examples_per_update: the data position after an update: times the update, or
             called with it; None: not checked.
-
-    Examples:
-        >>> import tempfile, optax
-        >>> from jax_adaptive.step import multi_steps
-        >>> params = {"w": jax.numpy.ones(2)}
-        >>> state = TrainState(params, multi_steps(optax.sgd(1.0), 1).init(params), (),
-        ...                    jax.random.key(0))
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     ckpt = Checkpoints(tmp, {"seed": 0})
-        ...     ckpt.save(1, state, position=64)
-        ...     restored, position = ckpt.restore(state)
-        ...     ckpt.close()
-        >>> position, restored.params["w"].tolist()
-        (64, [1.0, 1.0])
     """
 
     def __init__(
@@ -161,17 +147,7 @@ class Checkpoints:
         return None
 
     def check_resumable(self) -> None:
-        """Refuses in one line what `restore` would: none intact, or another training.
-
-        Examples:
-            >>> import tempfile
-            >>> with tempfile.TemporaryDirectory() as tmp:
-            ...     ckpt = Checkpoints(Path(tmp) / "ckpt", {"seed": 0})
-            ...     (Path(tmp) / "ckpt-damaged" / "4-20260101T000000").mkdir(parents=True)
-            ...     ckpt.check_resumable()
-            Traceback (most recent call last):
-            ValueError: no intact checkpoint in ...: the damaged ones are in ...
-        """
+        """Refuses in one line what `restore` would: none intact, or another training."""
         latest = self.latest()
         if latest is None and self.aside():
             raise ValueError(

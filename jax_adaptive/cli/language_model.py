@@ -143,19 +143,7 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
 
 
 def train_gpt(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains the small GPT with a token budget per update; see `jax_adaptive.cli.main.train`.
-
-    Returns:
-        A summary: each bucket's plan, the compiles, the losses and the padding.
-
-    Examples:
-        >>> import io
-        >>> config = TrainConfig(model="gpt", max_length=16, target_tokens=64, updates=2,
-        ...                      progress=False, plan_cache=False)
-        >>> summary = train_gpt(config, out=io.StringIO())
-        >>> len(summary["losses"]), [b["bucket"] for b in summary["buckets"]]
-        (2, [16])
-    """
+    """Trains the small GPT (`jax_adaptive.cli.main.train`): a summary, with each bucket's plan."""
     check_config(config)
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     # The position (sequences read) has no fixed count per update: `_stream` checks it.

@@ -87,15 +87,6 @@ def write_report(workdir: str | Path) -> list[Path]:
 
     Raises:
         ValueError: ``workdir`` holds no ``plan.json``, or matplotlib is missing.
-
-    Examples:
-        >>> import io, tempfile
-        >>> from jax_adaptive.cli.main import TrainConfig, train
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     _ = train(TrainConfig(target_batch_size=8, updates=2, workdir=tmp,
-        ...                           progress=False), out=io.StringIO())
-        ...     [p.name for p in write_report(tmp)]
-        ['search_trace.png', 'loss.png']
     """
     workdir = Path(workdir)
     if not (workdir / "plan.json").exists():

@@ -39,16 +39,7 @@ def _plan(line: Mapping[str, Any]) -> tuple[int, int, int]:
 def plan_note(
     before: tuple[int, int, int] | None, line: dict[str, Any], compiled: int
 ) -> str | None:
-    """The line that says an update changed the plan from ``before``, or None.
-
-    Examples:
-        >>> line = {"update": 7, "micro_batch_size": 24, "accumulation_steps": 11,
-        ...         "examples": 256}
-        >>> plan_note((32, 8, 256), line, compiled=2)
-        'plan changed at update 7: micro-batch 24 x 11 = target batch 256 (was 32 x 8 = 256: a smaller micro-batch after running out of memory; 2 sizes compiled)'
-        >>> plan_note((24, 11, 256), line, compiled=0) is None
-        True
-    """  # noqa: E501
+    """The line that says an update changed the plan from ``before`` (a `_plan`), or None."""
     now = _plan(line)
     if before is None or now == before:
         return None
@@ -83,16 +74,6 @@ class RunHooks:
 
     Attributes:
         lines: each update's metrics line; compiled: the sizes each update compiled.
-
-    Examples:
-        >>> import io
-        >>> step = lambda s, b: (s + b, {"loss": 1.0 / (s + b), "micro_batch_size": 4,
-        ...                              "accumulation_steps": 2, "examples": 8})
-        >>> hooks = RunHooks(TrainConfig(progress=False), done=0, updates=2,
-        ...                  describe=lambda m: f"update {m['update']}",
-        ...                  plans=lambda: {"plans": []}, compiles=lambda: 0, out=io.StringIO())
-        >>> hooks.run(step, 0, [(1, 8), (1, 16)]), [m["loss"] for m in hooks.lines]
-        (2, [1.0, 0.5])
     """
 
     def __init__(
@@ -228,13 +209,7 @@ class RunHooks:
 
 
 def speed_text(timing: dict[str, Any], unit: str, updates: int) -> str:
-    """A summary's speed: steady, then the mean over every update.
-
-    Examples:
-        >>> speed_text({"steady_per_s": 3300.0, "steady_updates": 18, "mean_per_s": 84.0},
-        ...            "examples", 20)
-        '3300 examples/s steady (18 updates that compiled nothing; 84 over all 20)'
-    """
+    """A summary's speed: steady, then the mean over every update (docs/cli.md quotes it)."""
     mean, steady = timing["mean_per_s"], timing["steady_per_s"]
     if steady is None:
         return f"{mean:.0f} {unit}/s (mean over {plural(updates, 'update')})"

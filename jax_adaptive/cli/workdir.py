@@ -46,14 +46,6 @@ class Workdir(contextlib.AbstractContextManager):
     Raises:
         ValueError: a directory that cannot be used, or holds checkpoints that are not
             to be resumed or cannot be (`Checkpoints.check_resumable`).
-
-    Examples:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
-        ...     work.write_plan([], search_seconds=0.0)
-        ...     work.log({"update": 1, "loss": 0.5})
-        ...     sorted(p.name for p in work.path.iterdir())
-        ['metrics.jsonl', 'plan.json']
     """
 
     def __init__(
@@ -103,18 +95,7 @@ class Workdir(contextlib.AbstractContextManager):
             self._plan = plan
 
     def start(self, done: int) -> None:
-        """Keeps only the lines of updates ``1..done``: a resumed run writes the rest again.
-
-        Examples:
-            >>> import tempfile
-            >>> with tempfile.TemporaryDirectory() as tmp, Workdir(tmp, TrainConfig()) as work:
-            ...     for update in (1, 2, 3):
-            ...         work.log({"update": update})
-            ...     work.start(1)  # resumed after update 1
-            ...     work.log({"update": 2})
-            ...     (work.path / "metrics.jsonl").read_text().split()
-            ['{"update":', '1}', '{"update":', '2}']
-        """
+        """Keeps only the lines of updates ``1..done``: a resumed run writes the rest again."""
         if self._metrics is not None:
             self._metrics.close()
         path, kept = self.path / "metrics.jsonl", []
