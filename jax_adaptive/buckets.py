@@ -1,9 +1,4 @@
-"""Variable input shapes: shape buckets, a plan per bucket, token budgets (docs/buckets.md).
-
-`BucketedTrainer` keeps an `AdaptiveTrainer` per bucket sharing one train state and one
-sizing engine (each bucket a binding of its own); a new bucket's search starts at the
-size the buckets seen predict (`jax_adaptive.memory.predict_line`).
-"""
+"""Variable input shapes: shape buckets, a plan per bucket, token budgets (docs/buckets.md)."""
 
 from __future__ import annotations
 
@@ -106,10 +101,8 @@ def pad_to_bucket(
 ) -> dict[str, np.ndarray]:
     """Stacks examples (dicts of arrays) into ``[n, *bucket, ...]`` arrays, zero-padded.
 
-    The bucket's axes are each field's leading ones (a sequence's length, an image's
-    height and width); ``mask_key``, of shape ``[n, *bucket]``, marks the real positions.
-    Fields with fewer dimensions than the bucket has axes (a label) are stacked as they
-    are.
+    The bucket's axes are each field's leading ones; ``mask_key`` (``[n, *bucket]``) marks
+    the real positions. Fields of fewer dimensions (a label) are stacked as they are.
 
     Examples:
         >>> batch = pad_to_bucket([{"tokens": np.arange(3)}, {"tokens": np.arange(1)}], 4)
@@ -170,17 +163,12 @@ def bucket_batches(
     *,
     read_ahead: int = 0,
 ) -> Iterator[BucketBatch]:
-    """Groups a stream of examples into padded batches of one bucket each.
+    """Groups a stream of examples (dicts of ``[len, ...]`` arrays) into padded batches.
 
-    A bucket's batch is emitted once it holds ``sizes[bucket]`` examples, in order.
-    What waits in the buckets, or was read ahead, stays with an iterator's stream when
-    the generator is closed, for its next reader; a list is read afresh.
-
-    Args:
-        examples: dicts of arrays whose leading axes vary (``[len, ...]`` sequences).
-        sizes: examples per batch, for each bucket.
-        mask_key: the mask's name in the batches.
-        read_ahead: examples a background thread may read ahead (0: none).
+    A bucket's batch is emitted once it holds ``sizes[bucket]`` examples, in order;
+    ``read_ahead`` examples may be read in a background thread. What waits in the buckets,
+    or was read ahead, stays with an iterator's stream when the generator is closed, for
+    its next reader; a list is read afresh (docs/buckets.md).
 
     Examples:
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
@@ -242,23 +230,13 @@ def _bucketed(
 class BucketedTrainer:
     """Trains on inputs of varying shape: one plan per shape bucket, exact updates.
 
-    Args:
-        loss_fn: ``(params, batch, rng) -> [m]``, each example's loss summed over its
-            real positions (`jax_adaptive.models.gpt_token_loss`); the batch holds the
-            padded fields ``[m, *bucket, ...]`` and ``mask_key``. The model must keep
-            padding out of the real positions.
-        optimizer: any ``optax.GradientTransformation``.
-        buckets: lengths (`pow2_buckets`), or shapes of several leading axes.
-        target_tokens: padded positions per update (``target_tokens // L`` examples in
-            bucket ``L``); give this or ``target_batch_size``.
-        target_batch_size: sequences per update, whatever the bucket.
-        weighting: ``"token"`` (each real token weighs the same), ``"example"`` (the mean
-            of per-sequence means) or ``"none"`` (a plain mean).
-        count_tokens: ``batch -> [n]`` real tokens per sequence as the loss counts them
-            (``mask.sum(axis=1)`` by default).
-        mask_key: the mask's name in batches.
-        predict: seed a new bucket's search with the line the buckets seen predict.
-        **trainer_kwargs: passed to each bucket's `AdaptiveTrainer`.
+    The guide, docs/buckets.md, explains the arguments. ``loss_fn(params, batch, rng)``
+    returns ``[m]``, each example's loss summed over its real positions
+    (`jax_adaptive.models.gpt_token_loss`), of a batch of padded fields
+    ``[m, *bucket, ...]`` and ``mask_key``. ``buckets`` are lengths (`pow2_buckets`) or
+    shapes; give ``target_tokens`` (padded positions per update) or ``target_batch_size``.
+    ``weighting``: ``"token"``, ``"example"`` or ``"none"``. The other keyword arguments
+    go to each bucket's `AdaptiveTrainer`, which all share one sizing engine.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -337,10 +315,8 @@ class BucketedTrainer:
     def step(self, state: TrainState, batch: BucketBatch) -> tuple[TrainState, dict[str, Any]]:
         """Runs one exact update on one bucket's padded batch (`bucket_batches` makes them).
 
-        Returns:
-            ``(state, metrics)``: the trainer's metrics (``loss`` is the mean per real
-            token, or per sequence with ``weighting="example"``) with ``bucket``,
-            ``tokens`` (real) and ``padded_tokens``.
+        Returns ``(state, metrics)``: the trainer's metrics (``loss`` the mean per real token,
+        or per sequence with ``weighting="example"``), ``bucket``, ``tokens``, ``padded_tokens``.
         """
         if not self.trainers:
             raise RuntimeError("call trainer.init(params, example) first.")
@@ -353,8 +329,7 @@ class BucketedTrainer:
             trainer = self._new_trainer(bucket)
             self._planned(bucket, trainer, lambda e: trainer.plan(state, e))
         counts = np.asarray(self.count_tokens(padded))
-        n = len(counts)
-        total = int(counts.sum())
+        n, total = len(counts), int(counts.sum())
         if total <= 0:
             raise ValueError("the batch has no real tokens.")
         if self.weighting == "token":
@@ -398,9 +373,8 @@ class BucketedTrainer:
         """Every size decided, for every bucket: see `jax_adaptive.SizeTrial`."""
         return [] if self.sizing is None else self.sizing.search_log
 
-    # ----------------------------------------------------------------- internals
-
     def _new_trainer(self, bucket: Bucket) -> AdaptiveTrainer:
+        """A bucket's trainer, its search seeded by `jax_adaptive.memory.predict_line`."""
         size, prior = self.examples_per_update(bucket), None
         if self.predict and self.trainers:  # the line the buckets seen predict
             capacity = next(iter(self.trainers.values())).capacity()

@@ -1,9 +1,6 @@
-"""Data: cutting target batches into micro-batches, and synthetic sources.
+"""Data: cutting batches into micro-batches, rebatching streams, synthetic sources.
 
-Host (NumPy) batches are cut with views and moved to the device a micro-batch at a time,
-so a target batch never has to fit on the device at once. Device (jax) batches are cut
-on the device, every leaf of a micro-batch in one dispatch (a slice; a gather for a
-padded last micro-batch).
+Host batches are cut as views, so a target batch never has to fit on the device.
 """
 
 from __future__ import annotations
@@ -101,11 +98,7 @@ def _host_rows(leaf: Any, start: int, idx: np.ndarray | None, m: int) -> np.ndar
 
 
 def _cut(batch: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
-    """Rows ``start`` to ``start + m`` of every leaf (``idx``: the rows, when padded).
-
-    Host leaves are cut with NumPy; the device (jax) leaves all in one dispatch, not
-    one per leaf.
-    """
+    """Rows ``start`` to ``start + m`` (``idx``: padded); jax leaves in one dispatch."""
     leaves, treedef = jax.tree.flatten(batch)
     device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     if len(device) < len(leaves):
@@ -121,19 +114,16 @@ def _cut(batch: Any, start: int, idx: np.ndarray | None, m: int) -> Any:
     return treedef.unflatten(leaves)
 
 
+def _joined(batches: list[Any]) -> Any:
+    """The batches' leaves concatenated on the host, in order."""
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
+
+
 def micro_batches(batch: Any, size: int, start: int = 0) -> Iterator[MicroBatch]:
-    """Cuts a batch into micro-batches of ``size`` rows, padding and masking the last.
+    """Cuts ``batch`` (NumPy or jax arrays) from row ``start`` into ``size``-row `MicroBatch`es.
 
-    The padding repeats real rows of the last micro-batch (never zeros, which could make
-    a loss infinite: a masked infinity still poisons the gradient with NaN).
-
-    Args:
-        batch: a pytree of arrays (NumPy or jax) sharing a leading size ``T``.
-        size: rows per micro-batch.
-        start: the first row to cut from (rows before it are skipped).
-
-    Yields:
-        `MicroBatch` tuples, ``ceil((T - start) / size)`` of them.
+    The last is padded with repeats of its real rows (never zeros, which could make a
+    loss infinite: a masked infinity still poisons the gradient with NaN) and masked.
 
     Examples:
         >>> [(mb.batch.tolist(), mb.mask.tolist()) for mb in micro_batches(np.arange(5), 2)]
@@ -206,7 +196,7 @@ class ExampleQueue:
             return None
         if leading_size(self.first) - self._start < n and len(self._pending) > 1:
             rest = [jax.tree.map(lambda x: np.asarray(x)[self._start :], self.first)]
-            joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rest, *self._pending[1:])
+            joined = _joined([*rest, *self._pending[1:]])
             self._pending, self._start = [joined], 0
         return next(micro_batches(self.first, n, start=self._start))
 
@@ -220,19 +210,14 @@ class ExampleQueue:
 
 
 class _Pending:
-    """Examples read from a stream and not yet taken, kept with the stream's iterator.
-
-    ``batches`` (``count`` examples) were read in; ``lent`` was yielded and not yet
-    `Rebatcher.taken`; ``unread`` was read ahead and handed back. ``read`` counts the
-    examples read from the stream; ``spec`` is its structure and per-example shapes.
-    """
+    """Examples read from a stream and not yet taken, kept with the stream's iterator."""
 
     def __init__(self) -> None:
-        self.batches: list[Any] = []
-        self.count = self.read = 0
-        self.lent: Any = None
-        self.unread = Unread([])
-        self.spec: Any = None
+        self.batches: list[Any] = []  # read in: ``count`` examples
+        self.count = self.read = 0  # ``read``: examples read from the stream
+        self.lent: Any = None  # yielded and not yet `Rebatcher.taken`
+        self.unread = Unread([])  # read ahead and handed back
+        self.spec: Any = None  # the stream's structure and per-example shapes
 
     def __bool__(self) -> bool:
         """Whether anything waits: examples read in or lent, batches or an error handed back."""
@@ -322,9 +307,7 @@ class Rebatcher:
     def close(self) -> None:
         """Stops reading ahead; what was read and not yielded stays with the stream.
 
-        A batch lent and not `taken` goes back in front. A read in progress finishes
-        in its thread and follows (`jax_adaptive.read_ahead.Unread.rest`). Iterating
-        again reads ahead again.
+        So do a batch lent and not `taken` and a read in progress. Iterating reads ahead again.
         """
         with interrupts_deferred():
             self.consumed -= self._pending.give_back()
@@ -348,11 +331,7 @@ class Rebatcher:
                     self._hold()
                 self._take_in(batch)
         with interrupts_deferred():  # the batch leaves `pending` only to be yielded (or lent)
-            joined = (
-                pending.batches[0]
-                if len(pending.batches) == 1
-                else jax.tree.map(lambda *xs: np.concatenate(xs), *pending.batches)
-            )
+            joined = pending.batches[0] if len(pending.batches) == 1 else _joined(pending.batches)
             out = jax.tree.map(lambda x: x[: self.size], joined)
             rest = jax.tree.map(lambda x: x[self.size :], joined)
             pending.count -= self.size
@@ -392,15 +371,8 @@ def synthetic_images(
 ) -> dict[str, np.ndarray]:
     """Images with a learnable signal: each class adds its own fixed pattern to noise.
 
-    Args:
-        num_examples: how many examples.
-        image_shape: height, width, channels.
-        num_classes: how many labels.
-        seed: the seed of the labels and the noise (vary it for new examples).
-        pattern_seed: the seed of the class patterns (keep it for the same task).
-
-    Returns:
-        ``{"image": float32[N, H, W, C], "label": int32[N]}``.
+    ``{"image": float32[N, H, W, C], "label": int32[N]}``. ``seed`` draws the labels and
+    noise (vary it for new examples), ``pattern_seed`` the patterns (keep it for the task).
 
     Examples:
         >>> data = synthetic_images(4, image_shape=(8, 8, 1))
@@ -427,21 +399,11 @@ def synthetic_sequences(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Token sequences of log-normal lengths with a learnable rule, as language data has.
 
-    Each sequence counts up from a random start by its own random step (1 to 7), modulo
-    ``vocab_size``: after two tokens every next token is predictable, so a language
-    model's loss falls from ``log(vocab_size)`` towards zero.
-
-    Args:
-        num_sequences: how many; None for an endless stream.
-        vocab_size: the number of token ids.
-        max_length: the longest sequence (lengths are clipped to ``[min_length, max_length]``).
-        median_length: the lengths' median.
-        sigma: the log-lengths' standard deviation.
-        min_length: the shortest sequence.
-        seed: the stream's seed.
-
-    Yields:
-        ``{"tokens": int32[length]}``.
+    Yields ``num_sequences`` (None: endless) ``{"tokens": int32[length]}``, the lengths
+    log-normal (median ``median_length``, log-sd ``sigma``) clipped to ``[min_length,
+    max_length]``. Each counts up from a random start by its own step (1 to 7), modulo
+    ``vocab_size``: after two tokens every next one is predictable, so a language model's
+    loss falls from ``log(vocab_size)`` towards zero.
 
     Examples:
         >>> tokens = next(synthetic_sequences(seed=1))["tokens"]

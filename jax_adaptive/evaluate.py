@@ -1,8 +1,4 @@
-"""Evaluation and prediction at the largest batch that fits (guide: docs/evaluation.md).
-
-`Evaluator` is a client of the sizing engine (`jax_adaptive.sizing.Sizing`): one binding
-per mode and input shapes, plan-cache keys of its own.
-"""
+"""Evaluation and prediction at the largest batch that fits (guide: docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -43,10 +39,9 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _masked(value: jax.Array, mask: jax.Array) -> jax.Array:
-    """The batch's sum over its real rows of a float metric; an integer metric's real rows.
+    """A float metric's sum over the real rows; an integer metric's real rows (`_host_sum`).
 
-    ``where``, not a product: a padding row's NaN stays out. Integers are summed on the
-    host in 64 bits (`_host_sum`): int32 sums overflow at 2**31.
+    ``where``, not a product: a padding row's NaN stays out; int32 sums overflow at 2**31.
     """
     kept = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, 0)
     if not jnp.issubdtype(value.dtype, jnp.floating):
@@ -67,13 +62,10 @@ class Evaluator:
     """Runs a per-example function over a dataset at the largest batch whose program fits.
 
     Args:
-        metric_fn: ``(params, batch) -> outputs`` (`MetricFn`), each with a leading axis
-            of the batch's size; it sees padded batches of exactly the planned size, the
+        metric_fn: a `MetricFn`; it sees padded batches of exactly the planned size, the
             padding rows repeating real ones, masked.
-        memory_limit: bytes: a device of that size (simulated on a CPU), which must hold
-            the whole ledger (the resident arrays, the batch in flight, the program).
-        headroom: the share of a device's real capacity left unused; never applied to
-            ``memory_limit``.
+        memory_limit: bytes of a device (simulated on a CPU) that must hold the ledger.
+        headroom: the share of a real device left unused (never of ``memory_limit``).
         multiple_of: search only multiples of this; a smaller size only when none fits.
         max_batch_size: the largest batch considered (None: see `STREAM_MAX_BATCH_SIZE`).
         plan_cache: None for the default file, False for none, a path or a `PlanCache`.
@@ -152,24 +144,16 @@ class Evaluator:
         """
         return self.sizing.capacity()
 
-    # ------------------------------------------------------------ running
-
     def evaluate(self, params: Any, dataset: Any, *, resident: Any = None) -> dict[str, Any]:
         """The mean of each per-example metric over every example of ``dataset``.
 
-        Args:
-            params: the first argument of ``metric_fn`` (any pytree).
-            dataset: one batch of all the examples (a dict, tuple or array, NumPy or jax)
-                or a stream of batches of any sizes (any other iterable), read once.
-            resident: other arrays live while evaluation runs, counted in the ledger but
-                not passed (the train state); arrays also in ``params`` count once.
+        ``dataset`` is one batch of all the examples (a dict, tuple or array, NumPy or jax)
+        or a stream of batches of any sizes (any other iterable), read once. ``resident``:
+        other arrays live meanwhile (the train state), counted in the ledger, not passed;
+        arrays also in ``params`` count once.
 
-        Returns:
-            ``{name: mean}`` for each metric (a float, or an array for a metric with
-            trailing axes) and ``examples``, the number of examples.
-
-        Raises:
-            NothingFitsError: when even a batch of 1 does not fit.
+        Returns ``{name: mean}`` (a float, or an array for a metric with trailing axes) and
+        ``examples``, their number. Raises `NothingFitsError` when a batch of 1 does not fit.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
@@ -186,10 +170,7 @@ class Evaluator:
     def predict(self, params: Any, dataset: Any, *, resident: Any = None) -> Any:
         """``metric_fn``'s outputs for every example of ``dataset``, padding removed, on the host.
 
-        The arguments are `evaluate`'s.
-
-        Returns:
-            The outputs' pytree, each leaf the NumPy concatenation over all examples.
+        The arguments are `evaluate`'s; each leaf is the NumPy concatenation over all examples.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, jax_adaptive as ja
@@ -251,8 +232,6 @@ class Evaluator:
         # A failed run raises when waited for; reading its buffers first may abort XLA:CPU.
         jax.block_until_ready(out)
         return jax.device_get(out)
-
-    # ------------------------------------------------------------ the program
 
     def _bind(self, mode: _Mode, params: Any, batch: Any, resident: Any, hi: int) -> None:
         """Binds the engine to this mode's program for these shapes (kept per shapes)."""
@@ -334,8 +313,6 @@ class Evaluator:
         if self.batch_size is None:
             raise RuntimeError("run evaluate or predict on a dataset first.")
         return self._program.ledger(size)
-
-    # ------------------------------------------------------------ the plan
 
     def _plan(self, hi: int) -> int:
         """The largest size in ``[1, hi]`` that fits: known, from the plan cache, or searched."""
