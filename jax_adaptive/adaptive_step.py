@@ -1,8 +1,6 @@
 """AdaptiveStep: your own jitted training step, at the largest micro-batch that fits.
 
-Guide: docs/own-loop.md. A client of the sizing engine (`jax_adaptive.sizing.Sizing`)
-with one binding per shape of arguments, so a loop alternating between shapes compiles
-each shape's step once, as a plain ``jax.jit`` step would.
+Guide: docs/own-loop.md. One binding of the sizing engine per shape of arguments.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ class AdaptiveStep:
         batch_argnum: which argument is the batch: its leading size ``T`` is the largest
             size tried, and the ledger counts it as in flight.
         memory_limit: bytes: a device of that size (simulated on a CPU).
-        headroom: the share of a device's real capacity left unused; never applied to
-            ``memory_limit``.
+        headroom: the share of a device's real capacity left unused (never of ``memory_limit``).
         objective: ``"least_padding"``: the fewest micro-batches the largest fitting size
             allows, with the least padding; ``"max"``: the largest size itself.
         multiple_of: try only multiples of this.
@@ -147,15 +144,10 @@ class AdaptiveStep:
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` in use (``accumulation_steps``: micro-batches per step)."""
         size, program = self.micro_batch_size, self._program
-        return Plan(
-            size,
-            math.ceil(self._batch_size / size),
-            program.ledger(size) if program.peak(size) is not None else None,
-            self.capacity(),
-            1,
-            program.largest,
-            source=None if program.largest is None else "searched",
-        )
+        ledger = program.ledger(size) if program.peak(size) is not None else None
+        source = None if program.largest is None else "searched"
+        steps = math.ceil(self._batch_size / size)
+        return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source)
 
     @property
     def compiled(self) -> Any:
@@ -218,9 +210,6 @@ class AdaptiveStep:
         """Plans the size for arguments like ``args`` (their shapes; nothing runs).
 
         A call plans each new shape of arguments itself, and again after a raised cap.
-
-        Returns:
-            The `jax_adaptive.Plan`.
         """
         self._plan(args)
         return self.plan_info
@@ -240,10 +229,10 @@ class AdaptiveStep:
                 own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
                 self.sizing.measure_others(own)
                 size = self._program.cached(self._batch_size, "init")
-                self._use(size if size is not None else self._largest(self._batch_size, "init"))
+                self._use(size if size is not None else self._largest("init"))
         if self._replan:
             self._replan = False
-            self._use(self._largest(self._batch_size, "memory limit raised"))
+            self._use(self._largest("memory limit raised"))
 
     def _sized(self, args: tuple[Any, ...], signature: Hashable) -> Sized:
         """What the engine needs of the step for arguments like ``args``."""
@@ -273,12 +262,10 @@ class AdaptiveStep:
             fingerprint_at=lambda: self.multiple_of,
         )
 
-    def _largest(self, hi: int, reason: str) -> int:
-        """The size to run: the largest in ``[multiple_of, hi]`` that fits, trimmed."""
-        lo = self.multiple_of
-        return self._trimmed(
-            self._program.largest_fitting(hi=hi // lo * lo, reason=reason, lo=lo, least=lo)
-        )
+    def _largest(self, reason: str) -> int:
+        """The largest multiple of ``multiple_of`` up to the batch size that fits, trimmed."""
+        lo, hi = self.multiple_of, self._batch_size // self.multiple_of * self.multiple_of
+        return self._trimmed(self._program.largest_fitting(hi=hi, reason=reason, lo=lo, least=lo))
 
     def _trimmed(self, largest: int) -> int:
         if self.objective == "least_padding":
@@ -293,9 +280,6 @@ class AdaptiveStep:
 
     def __call__(self, *args: Any) -> Any:
         """Runs the step on ``args``; an out-of-memory re-plans smaller and runs them again.
-
-        Returns:
-            What the step returns, computed at the size in use when it succeeded.
 
         Raises:
             NothingFitsError: not even the smallest size fits; its ``arguments`` are

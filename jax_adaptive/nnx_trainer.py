@@ -22,9 +22,6 @@ class NnxTrainer:
     statistics back into ``model``; the first (or `init`) plans on its batch (docs/flax.md).
 
     Args:
-        model: the module to train; updated in place.
-        optimizer: any ``optax.GradientTransformation``.
-        target_batch_size: examples per optimizer update.
         loss_fn: a per-example loss, taking the model state when the model has
             ``nnx.BatchStat`` variables; None: `nnx_classifier_loss` in training mode.
         ghost_batch_size: BatchNorm over groups of this many examples (around ``loss_fn``
@@ -83,35 +80,19 @@ class NnxTrainer:
         self.state: TrainState | None = None
 
     def init(self, example_batch: Batch) -> TrainState:
-        """Plans the micro-batch size from the module's current values; returns the state.
-
-        Examples:
-            >>> import numpy as np, optax
-            >>> from flax import nnx
-            >>> trainer = NnxTrainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-            ...                      target_batch_size=8, micro_batch_size=4)
-            >>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
-            >>> int(trainer.init(batch).updates)
-            0
-        """
+        """Plans the micro-batch size from the module's current values; returns the state."""
         model_state = nnx.state(self.model, nnx.BatchStat) if self.has_state else ()
         params = nnx.state(self.model, nnx.Param)
         self.state = self.trainer.init(params, example_batch, rng=self.rng, model_state=model_state)
         return self.state
 
     def step(self, batch: Batch, *, weights: Any = None) -> dict[str, Any]:
-        """Runs one exact update on ``target_batch_size`` examples and updates the module.
-
-        Returns:
-            The update's metrics (`AdaptiveTrainer.step`; the class example runs it).
-        """
+        """One exact update, as `AdaptiveTrainer.step`, written into the module; its metrics."""
         if self.state is None:
             self.init(batch)
         self.state, metrics = self.trainer.step(self.state, batch, weights=weights)
         # The module holds the new state's arrays: a later update may donate them, and
         # this line then replaces them before anyone reads the module again.
-        if self.has_state:
-            nnx.update(self.model, self.state.params, self.state.model_state)
-        else:
-            nnx.update(self.model, self.state.params)
+        states = (self.state.model_state,) if self.has_state else ()
+        nnx.update(self.model, self.state.params, *states)
         return metrics

@@ -1,8 +1,4 @@
-"""AdaptiveTrainer: a thin facade over the sizing engine, the programs, the plan, the update.
-
-It checks its arguments, places the state and wires `jax_adaptive.sizing`,
-`jax_adaptive.executables`, `jax_adaptive.planner` and `jax_adaptive.update` together.
-"""
+"""AdaptiveTrainer: a facade over `jax_adaptive.sizing`, `.executables`, `.planner`, `.update`."""
 
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ class AdaptiveTrainer:
     Args:
         loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example.
         optimizer: any ``optax.GradientTransformation``, applied once per target batch.
-        target_batch_size: examples per update: a positive int, or a schedule over
-            ``state.updates`` (docs/schedules.md).
+        target_batch_size: examples per update: an int, or a schedule (docs/schedules.md).
         micro_batch_size: ``"auto"`` (the largest that fits) or a fixed int.
         memory_limit: bytes of the device (on a CPU, a simulated one): docs/memory.md.
         has_aux: ``loss_fn`` returns ``(losses, aux)``, aux a dict of per-example metrics.
@@ -62,13 +57,12 @@ class AdaptiveTrainer:
         objective: ``"least_padding"``, ``"max"`` or ``"throughput"``.
         chunk: ``"auto"`` or the most micro-steps per dispatch.
         device: the device to train on without a mesh (the first local one by default).
-        mesh: a ``jax.sharding.Mesh`` to train data parallel over (docs/devices.md).
-        data_axis: the mesh axis the micro-batch is split over.
-        param_sharding: ``PartitionSpec``s for (a prefix of) the parameters, with a mesh.
+        mesh: a ``jax.sharding.Mesh`` to train data parallel over, split along
+            ``data_axis``; ``param_sharding``: specs for the parameters (docs/devices.md).
         in_flight: programs dispatched and not finished at once.
         memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the size.
-        sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers, whose
-            ``memory_limit``, ``headroom``, ``plan_cache`` and ``oom_retries`` count.
+        sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (its limit,
+            headroom, cache and retries count).
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -235,10 +229,8 @@ class AdaptiveTrainer:
         """Plans the micro-batch size for an existing train state (placed as `init` places one).
 
         For another example shape, or a state shared between trainers; for shapes
-        already planned (a restored state) the plan holds: nothing is compiled.
-
-        Raises:
-            NothingFitsError: when even the smallest micro-batch does not fit.
+        already planned (a restored state) the plan holds: nothing is compiled. Raises
+        `NothingFitsError` as `init` does.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -262,14 +254,6 @@ class AdaptiveTrainer:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).
 
         With ``with_optimizer_step``, the update's last program: then the optimizer step.
-
-        Examples:
-            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.sgd(0.1),
-            ...                              target_batch_size=8, micro_batch_size=8)
-            >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
-            >>> ja.estimate_peak_bytes(trainer.compile(3)) > 0
-            True
         """
         self._checked_program(size, chunk)
         if with_optimizer_step:
@@ -277,16 +261,7 @@ class AdaptiveTrainer:
         return self._executables.micro(size, chunk).compiled
 
     def ledger(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Ledger:
-        """Everything live on the device while `compile`'s program runs, by part (docs/memory.md).
-
-        Examples:
-            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
-            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p) ** 2, optax.adam(0.1),
-            ...                              target_batch_size=8, micro_batch_size=8)
-            >>> _ = trainer.init(jnp.ones(()), np.ones(8, np.float32))
-            >>> trainer.ledger(8).state > 0  # the state, whole; in flight; the program
-            True
-        """
+        """Everything live on the device while `compile`'s program runs, by part: docs/memory.md."""
         self._checked_program(size, chunk)
         if with_optimizer_step:
             return self._executables.final_ledger(size, chunk, self.target_batch_size)

@@ -21,10 +21,8 @@ Loss = Callable[[jax.Array, jax.Array], jax.Array]
 
 def _classifier_losses(logits, labels, loss: Loss | None):
     if loss is None:
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    else:
-        losses = loss(logits, labels)
-    return losses, {"accuracy": (logits.argmax(-1) == labels).astype(logits.dtype)}
+        loss = optax.softmax_cross_entropy_with_integer_labels
+    return loss(logits, labels), {"accuracy": (logits.argmax(-1) == labels).astype(logits.dtype)}
 
 
 def train_kwargs(model: nn.Module, train: bool) -> dict[str, bool]:
@@ -46,11 +44,7 @@ def _takes(call: Callable[..., Any], name: str) -> bool:
 
 
 def _loss(apply, stateful: bool, ghost_batch_size: int | None, train: bool):
-    """``apply(params, model_state, batch, rng) -> (out, model_state)`` as the trainer's loss.
-
-    Stateful: ``apply`` itself (over ghost batches when given); else
-    ``(params, batch, rng) -> out``.
-    """
+    """``apply(params, model_state, batch, rng) -> (out, model_state)`` as the trainer's loss."""
     if ghost_batch_size is not None and not (stateful and train):
         raise ValueError(
             f"{ghost_batch_size=} needs batch statistics to group: name them in mutable "
@@ -186,24 +180,13 @@ def nnx_classifier_loss(
 ) -> Callable[..., Any]:
     """Per-example softmax cross-entropy of a Flax NNX classifier, with accuracy as aux.
 
-    Its parameters are ``nnx.state(model, nnx.Param)``, its model state
-    ``nnx.state(model, mutable)`` (docs/flax.md; `NnxTrainer` does the split). It runs a
-    copy of the model taken now, in ``train()`` or ``eval()`` mode, whose other
-    variables are constants; its RNG streams are reseeded from the trainer's ``rng`` at
-    each call, and a ``__call__`` that takes ``rngs`` gets ``nnx.Rngs(rng)``.
-
-    Args:
-        model: an NNX module mapping a batch of inputs to logits.
-        mutable: a filter of the variables training updates (``nnx.BatchStat``).
-        train: training mode, or evaluation mode (frozen BatchNorm, Dropout off).
-        ghost_batch_size: as in `linen_classifier_loss`.
-        call_kwargs: as there.
-        image_key: as there.
-        label_key: as there.
-        loss: as there.
-
-    Returns:
-        As `linen_classifier_loss`'s.
+    Its options and what it returns are `linen_classifier_loss`'s; ``mutable`` is a filter
+    of the variables training updates (``nnx.BatchStat``). Its parameters are
+    ``nnx.state(model, nnx.Param)``, its model state ``nnx.state(model, mutable)``
+    (docs/flax.md; `NnxTrainer` does the split). It runs a copy of the model taken now, in
+    ``train()`` or ``eval()`` mode, whose other variables are constants; its RNG streams
+    are reseeded from the trainer's ``rng`` at each call, and a ``__call__`` that takes
+    ``rngs`` gets ``nnx.Rngs(rng)``.
 
     Raises:
         ValueError: when the model trains BatchNorm statistics and ``mutable`` is None,
