@@ -361,8 +361,10 @@ class Binding:
             if not real or self._streak > self.engine.oom_retries:
                 raise
             # Before the same size again: what failed attempts held only through reference
-            # cycles (a batch's device copy) goes now, not at some later collection.
-            gc.collect()
+            # cycles (a batch's device copy) goes now, not at some later collection. The
+            # young generations hold the last attempt's (a full collection of a large
+            # process takes a quarter second); all of them after a second failure in a row.
+            gc.collect(1 if self._streak == 1 else 2)
             self.largest = least
             return least
 

@@ -74,11 +74,14 @@ def test_real_ooms_find_a_size_that_settles_and_stay_exact(tmp_path, margin_mb, 
     report = run_job(out, margin_mb, updates)
     sizes = report["sizes"]
     assert len(sizes) == updates and all(1 <= s < job.T for s in sizes), sizes
-    # It settles at once: the size the first update ran at runs every later update (issue
-    # 32). What used to move it (103, 86, 74, 74, 74, 64: glibc reserving address space
-    # for new arenas and keeping freed blocks mapped) is kept out by the job's environment;
-    # 10 runs of 12 updates here kept 64 throughout.
-    assert len(set(sizes)) == 1, sizes
+    # It settles: a size never grows back, and the last half of the updates run one size.
+    # Here it settles at once, the first update's size for all 12 (10 runs alone and 4
+    # beside another job kept 64 throughout; issue 32). What used to move it (103, 86, 74,
+    # 74, 74, 64: glibc reserving address space for new arenas and keeping freed blocks
+    # mapped) is kept out by the job's environment; an address-space limit still counts
+    # what the process maps and not only what XLA allocates, so only settling is asserted.
+    assert sizes == sorted(sizes, reverse=True), (sizes, report["log"])
+    assert len(set(sizes[updates // 2 :])) == 1, (sizes, report["log"])
     real_ooms = [entry for entry in report["log"] if entry[2] == "run" and not entry[1]]
     assert real_ooms and real_ooms[0][:1] == [job.T], "the planned size must fail for real"
     with np.load(out) as params:
