@@ -340,3 +340,40 @@ def test_evaluating_between_updates_leaves_training_exact(params, data):
     assert trainer.micro_batch_size == micro  # an evaluation out-of-memory shrank evaluation
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), params, batches)
     assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_a_batch_norm_model_evaluates_with_its_statistics_as_one_full_pass():
+    """Issue 29: a linen model with BatchNorm, written as Flax's examples write it."""
+    import flax.linen as nn
+
+    from jax_adaptive.data import synthetic_images
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Conv(16, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            return nn.Dense(10)(nn.relu(x).mean(axis=(1, 2)))
+
+    model, data = Net(), synthetic_images(4096, seed=1)
+    variables = model.init(jax.random.key(0), data["image"][:1], train=False)
+    _, stats = model.apply(variables, data["image"][:256], train=True, mutable=["batch_stats"])
+    variables = {**variables, **stats}  # statistics other than the initial ones
+
+    def bn_metric_fn(variables, batch):
+        logits = model.apply(variables, batch["image"], train=False)
+        labels = batch["label"]
+        return {
+            "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+            "correct": (logits.argmax(-1) == labels).astype(jnp.int32),
+        }
+
+    evaluator = ja.Evaluator(bn_metric_fn, memory_limit=30 * 10**6, plan_cache=False)
+    metrics = evaluator.evaluate(variables, data)
+    assert evaluator.batch_size < 4096 and 4096 % evaluator.batch_size  # padded, masked
+    full = jax.jit(bn_metric_fn)(variables, data)  # one plain full pass
+    assert metrics["loss"] == pytest.approx(float(full["loss"].mean()), abs=1e-5)
+    assert metrics["correct"] == pytest.approx(float(full["correct"].mean()), abs=1e-9)
+    initial = model.init(jax.random.key(0), data["image"][:1], train=False)
+    other = jax.jit(bn_metric_fn)(initial, data)["loss"].mean()
+    assert abs(float(other) - float(full["loss"].mean())) > 1e-3  # the statistics matter
