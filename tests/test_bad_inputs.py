@@ -203,6 +203,15 @@ CLI = {
     "--compilation-cache under /proc": (["--compilation-cache", "/proc/jax_adaptive_test"],
                                         "--compilation-cache"),
     "--unknown-flag": (["--batch-size", "8"], "--batch-size"),
+    "--ghost-batch-size 0": (["--model", "resnet-tiny", "--ghost-batch-size", "0"],
+                             "--ghost-batch-size 0"),
+    "--ghost-batch-size for cnn": (["--ghost-batch-size", "16"], "--ghost-batch-size"),
+    "--ghost-batch-size 24 of 256": (["--model", "resnet-tiny", "--ghost-batch-size", "24"],
+                                     "--ghost-batch-size 24"),
+    "--ghost-batch-size --data-parallel": (["--model", "resnet-tiny", "--ghost-batch-size",
+                                            "16", "--data-parallel"], "--ghost-batch-size"),
+    "--micro-batch-size 16 of ghost 32": (["--model", "resnet-tiny", "--micro-batch-size",
+                                           "16"], "--micro-batch-size 16"),
 }  # fmt: skip
 
 

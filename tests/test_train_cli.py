@@ -647,21 +647,41 @@ def test_a_stopped_run_checkpoints_its_last_update_and_resumes_as_if_uninterrupt
 
 
 def test_resume_refuses_another_training_and_takes_another_plan(tmp_path, capsys):
-    """Issue 32, fault 12: the ghost batch follows --micro-batch-size; a plan may differ."""
+    """Issue 32, fault 12: the ghost batch is the run's; a plan may differ."""
     flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--eval-every", "0",
              "--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]  # fmt: skip
     assert main([*flags, "--updates", "1", "--micro-batch-size", "32"]) == 0  # ghost 32
     capsys.readouterr()
-    assert main([*flags, "--updates", "2", "--resume", "--micro-batch-size", "8"]) == 2
-    out, err = capsys.readouterr()  # ghost 8: refused before anything is built
+    assert main([*flags, "--updates", "2", "--resume", "--ghost-batch-size", "16"]) == 2
+    out, err = capsys.readouterr()  # another ghost batch: refused before anything is built
     assert out == "" and err.count("\n") == 1, (out, err)
-    assert "ghost batch size 32 there, 8 now" in err, err
+    assert "--ghost-batch-size 32 there, 16 now" in err, err
     assert main([*flags, "--updates", "2", "--resume", "--learning-rate", "0.1"]) == 2
     assert "--learning-rate 0.003 there, 0.1 now" in capsys.readouterr().err
     # Auto, another objective, no simulated device: another plan, the same ghost batch.
     more = ["--resume", "--objective", "max", "--no-simulated-device"]
     assert main([*flags, "--updates", "2", *more]) == 0
     assert "resumed at update 1" in capsys.readouterr().out
+
+
+def test_the_ghost_batch_is_the_runs_so_every_plan_trains_the_same(tmp_path, capsys):
+    """Issue 29: a BatchNorm model trains the same at any micro-batch, or is refused."""
+    flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--eval-every", "0",
+             "--updates", "2", "--no-progress", "--no-plan-cache"]  # fmt: skip
+    assert main([*flags, "--micro-batch-size", "16"]) == 2  # the default ghost batch: 32
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert "--micro-batch-size 16 holds no whole number of BatchNorm's ghost batches of 32" in err
+    losses = {}
+    for micro in (16, 64):  # four ghost batches a micro-batch, or one
+        workdir = tmp_path / str(micro)
+        plan = ["--ghost-batch-size", "16", "--micro-batch-size", str(micro)]
+        assert main([*flags, *plan, "--workdir", str(workdir)]) == 0
+        assert "BatchNorm over ghost batches of 16" in capsys.readouterr().out
+        lines = _metrics(workdir)
+        assert [m["micro_batch_size"] for m in lines] == [micro, micro], lines
+        losses[micro] = [m["loss"] for m in lines]
+    np.testing.assert_allclose(losses[16], losses[64], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -77,9 +77,6 @@ def damage(exc: BaseException) -> str | None:
 
 
 def _differs(key: str, there: Any, now: Any) -> str:
-    if key == "ghost_batch_size":  # no flag of its own
-        return (f"BatchNorm's ghost batch size {there} there, {now} now, which "
-                "--target-batch-size, --batch-schedule and --micro-batch-size set")  # fmt: skip
     return f"--{key.replace('_', '-')} {there} there, {now} now"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from jax_adaptive import checks, models
 from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 
 __all__ = [
-    "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES", "TrainConfig",
-    "check_config", "load_factory", "make_optimizer",
+    "GHOST_BATCH_SIZE", "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES",
+    "TrainConfig", "check_config", "ghost_batch_size", "load_factory", "make_optimizer",
 ]  # fmt: skip
 
 IMAGE_MODELS = {  # each zoo image model and the variables it mutates
@@ -57,6 +58,7 @@ class TrainConfig:
     seed: int = 0
     objective: str = "least_padding"
     multiple_of: int | None = None  # None: the ghost batch of a BatchNorm model, else 1
+    ghost_batch_size: int | None = None  # zoo ResNets' BatchNorm groups; None: `ghost_batch_size`
     eval_every: int = 10  # held-out evaluation every N updates and at the end; 0: none
     simulate_device: bool = True  # a CPU with no memory_limit simulates a small device
     plan_cache: str | bool | None = None  # None: the default file; False: none
@@ -153,6 +155,7 @@ def check_config(config: TrainConfig) -> None:
     check("--checkpoint-every", config.checkpoint_every)
     if config.multiple_of is not None:
         check("--multiple-of", config.multiple_of, **t_max)
+    _check_ghost(config)
     check("--eval-every", config.eval_every, low=0)
     if config.target_tokens is not None:
         check("--target-tokens", config.target_tokens, **t_max)
@@ -179,6 +182,55 @@ def check_config(config: TrainConfig) -> None:
              f"be at least --max-length {config.max_length}: an update holds at least one "
              "sequence of each bucket."),
         )  # fmt: skip
+
+
+GHOST_BATCH_SIZE = 32
+"""The examples each BatchNorm statistic of the ResNets is computed over, by default."""
+
+
+def ghost_batch_size(config: TrainConfig) -> int | None:
+    """The ghost batch of a zoo model with BatchNorm: a property of the run, not the plan.
+
+    ``--ghost-batch-size``, else the largest divisor of `GHOST_BATCH_SIZE` that divides
+    every target batch, at least 8; else None, as for other models or a data-parallel run.
+    Every micro-batch holds whole ghost batches, so the training is the same on any device.
+
+    Examples:
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
+        32
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", ghost_batch_size=16))
+        16
+        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100)) is None
+        True
+    """
+    if not IMAGE_MODELS.get(config.model, (None, ()))[1] or config.data_parallel:
+        return None
+    if config.ghost_batch_size is not None:
+        return config.ghost_batch_size
+    size = math.gcd(GHOST_BATCH_SIZE, *config.target_sizes())
+    return size if size >= 8 else None
+
+
+def _check_ghost(config: TrainConfig) -> None:
+    """``--ghost-batch-size`` for a BatchNorm zoo model only, dividing what it must."""
+    ghost, chosen = ghost_batch_size(config), config.ghost_batch_size
+    if chosen is not None:
+        checks.flag_int("--ghost-batch-size", chosen, high=_MAX_T, high_name="2**31 - 1")
+        batch_norm = [name for name, (_, mutable) in IMAGE_MODELS.items() if mutable]
+        _refuse(
+            (config.data_parallel, "--ghost-batch-size does not combine with --data-parallel "
+             "(each device normalizes its own share of a micro-batch)."),
+            (ghost is None, f"--ghost-batch-size is for the zoo's models with BatchNorm "
+             f"({', '.join(batch_norm)}); --model {config.model} has none."),
+            (any(t % chosen for t in config.target_sizes()), f"--ghost-batch-size {chosen} "
+             f"must divide every target batch ({', '.join(map(str, config.target_sizes()))})."),
+        )  # fmt: skip
+    micro = config.micro_batch_size
+    _refuse(
+        (ghost is not None and micro != "auto" and micro % ghost, f"--micro-batch-size {micro} "
+         f"holds no whole number of BatchNorm's ghost batches of {ghost}: pass a multiple of "
+         f"{ghost}, or a --ghost-batch-size that divides {micro}."),
+    )  # fmt: skip
 
 
 def _refuse(*checks: tuple[bool, str]) -> None:

@@ -13,33 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive import models
-from jax_adaptive.cli.config import IMAGE_MODELS, TrainConfig, load_factory
+from jax_adaptive.cli.config import IMAGE_MODELS, TrainConfig, ghost_batch_size, load_factory
 
-__all__ = ["GHOST_BATCH_SIZE", "ImageModel", "ghost_batch_size", "image_model", "multiple_of"]
-
-GHOST_BATCH_SIZE = 32
-"""The examples each BatchNorm statistic of the ResNets is computed over, by default."""
-
-
-def ghost_batch_size(config: TrainConfig) -> int | None:
-    """The ghost batch of a zoo model with BatchNorm: the same training on any device.
-
-    The largest divisor of `GHOST_BATCH_SIZE` that divides every target batch and a fixed
-    micro-batch, at least 8; else None, as for other models or a data-parallel run.
-
-    Examples:
-        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
-        32
-        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", micro_batch_size=8))
-        8
-        >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100)) is None
-        True
-    """
-    if not IMAGE_MODELS.get(config.model, (None, ()))[1] or config.data_parallel:
-        return None
-    fixed = config.micro_batch_size if isinstance(config.micro_batch_size, int) else 0
-    size = math.gcd(GHOST_BATCH_SIZE, *config.target_sizes(), fixed)
-    return size if size >= 8 else None
+__all__ = ["ImageModel", "image_model", "multiple_of"]
 
 
 @dataclasses.dataclass(frozen=True)

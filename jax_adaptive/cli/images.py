@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_adaptive.cli.config import TrainConfig, check_config, make_optimizer
+from jax_adaptive.cli.config import TrainConfig, check_config, ghost_batch_size, make_optimizer
 from jax_adaptive.cli.datasets import ShuffledBatches, load_held_out, load_source
-from jax_adaptive.cli.image_models import ImageModel, ghost_batch_size, image_model, multiple_of
+from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, plural, run_path
 from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.distributed import data_mesh
@@ -76,6 +76,8 @@ def _plan_line(
            if largest not in (None, trainer.micro_batch_size) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
+        + (f"; BatchNorm over ghost batches of {ghost_batch_size(config)}"
+           if ghost_batch_size(config) else "")
         + (f"; resumed at update {done}" if done else "")
     )  # fmt: skip
 

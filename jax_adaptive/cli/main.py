@@ -13,6 +13,7 @@ from typing import Any, NoReturn, TextIO
 import jax
 
 from jax_adaptive.cli.config import (
+    GHOST_BATCH_SIZE,
     MODEL_NAMES,
     OBJECTIVES,
     OPTIMIZER_NAMES,
@@ -145,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--multiple-of", type=int, default=None,
         help="search only micro-batches that are multiples of this (with a BatchNorm zoo "
         "model, combined with its ghost batch)")
+    add("--ghost-batch-size", type=int, default=None,
+        help="the zoo's ResNets: examples per BatchNorm statistic, the same on any device "
+        f"(default: the largest divisor of {GHOST_BATCH_SIZE} dividing the target batch, at "
+        "least 8); every micro-batch holds whole ghost batches")
     add("--data-parallel", action="store_true",
         help=f"split each micro-batch over all devices ({jax.device_count()} here); the "
         "searched size is then per device")
