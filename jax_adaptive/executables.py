@@ -37,7 +37,7 @@ from jax_adaptive.step import (
     with_optimizer_step,
 )
 
-__all__ = ["DONATED", "Executables", "MicroArgs"]
+__all__ = ["Executables"]
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:

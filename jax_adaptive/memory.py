@@ -311,7 +311,7 @@ def predict_line(
     Least squares over ``points``, ``{(length, size): estimated bytes}`` of the buckets seen
     (a length is a bucket's positions, ``H * W`` for an image), those near ``capacity``
     (XLA's peak is least linear at tiny sizes), of ``a + m L`` from one bucket and of
-    ``a + b L + m (c L + d L^2)`` from two on; None without points or a rising line.
+    ``a + b L + m (c L + d L^2)`` from two on; None without points or when the line does not rise.
 
     Examples:
         >>> peak = lambda L, m: 1_000 + 10 * L + m * (3 * L + L * L)

@@ -82,22 +82,28 @@ def _loop(
     batch: Batch,
     weights: jax.Array,
     micro_batch_size: int,
+    all_live: bool,
 ) -> Any:
     """Folds ``body(carry, micro_batch, micro_weights, offset)`` over the micro-batches.
 
     Micro-batch ``i`` is the ``m`` rows from ``min(i * m, T - m)``, weighted 0 before
-    ``i * m`` (counted already), gathered by `live_source`.
+    ``i * m`` (counted already); unless ``all_live`` (no weights given), gathered by
+    `live_source`.
     """
     total = leading_size(batch)
     m = min(micro_batch_size, total)  # a size above T is the whole batch
     steps = math.ceil(total / m)
-    source = live_source(weights)
+    source = None if all_live else live_source(weights)
 
-    def gather(rows: jax.Array) -> Batch:
+    def cut(start: Any, length: int) -> Batch:
+        """The rows from ``start``, each a live row's inputs (`live_source`)."""
+        if source is None:
+            return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, length), batch)
+        rows = lax.dynamic_slice_in_dim(source, start, length)
         return jax.tree.map(lambda x: jnp.asarray(x).at[rows].get(mode="promise_in_bounds"), batch)
 
     if steps == 1:
-        return body(carry, gather(source), weights, jnp.int32(0))
+        return body(carry, batch if source is None else cut(0, total), weights, jnp.int32(0))
     rows = jnp.arange(m, dtype=jnp.int32)
 
     def step(i: jax.Array, carry: Any) -> Any:
@@ -105,7 +111,7 @@ def _loop(
         start = jnp.minimum(first, total - m)
         own = lax.dynamic_slice_in_dim(weights, start, m)  # each row's own weight
         micro_weights = jnp.where(start + rows >= first, own, 0.0)
-        return body(carry, gather(lax.dynamic_slice_in_dim(source, start, m)), micro_weights, start)
+        return body(carry, cut(start, m), micro_weights, start)
 
     return lax.fori_loop(0, steps, step, carry)
 
@@ -137,6 +143,7 @@ def micro_batch_sum(
     m = _check_size(micro_batch_size)
 
     def summed(batch: Batch, weights: Any = None) -> Any:
+        all_live = weights is None
         total, weights, micro = _prepare(batch, weights, m)
         shapes = jax.eval_shape(
             fn, micro, jax.ShapeDtypeStruct((min(m, total),), jnp.float32), jnp.int32(0)
@@ -146,7 +153,7 @@ def micro_batch_sum(
         def body(acc: Any, micro_batch: Batch, micro_weights: jax.Array, offset: jax.Array):
             return jax.tree.map(jnp.add, acc, fn(micro_batch, micro_weights, offset))
 
-        return _loop(body, zeros, batch, weights, m)
+        return _loop(body, zeros, batch, weights, m, all_live)
 
     return summed
 
@@ -197,6 +204,7 @@ def micro_batch_grad(
         weights: Any = None,
         model_state: Any = (),
     ) -> MicroBatchGrad:
+        all_live = weights is None
         total, weights, micro = _prepare(batch, weights, m)
 
         def body(carry: Any, micro_batch: Batch, micro_weights: jax.Array, offset: jax.Array):
@@ -224,7 +232,7 @@ def micro_batch_grad(
             lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)),
             params,
         )
-        grads, sums, state = _loop(body, (grads, sums, model_state), batch, weights, m)
+        grads, sums, state = _loop(body, (grads, sums, model_state), batch, weights, m, all_live)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         means = {name: value / total for name, value in sums.items()}
         loss = means.pop("loss")

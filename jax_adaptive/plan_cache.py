@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from jax_adaptive import checks
+
 __all__ = ["PlanCache", "enable_compilation_cache", "plan_key"]
 
 _ENV = "JAX_ADAPTIVE_PLAN_CACHE"
@@ -34,16 +36,12 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def _is_count(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int)
-
-
 def _flaw(entry: dict[str, Any], target_batch_size: int) -> tuple[str, str] | None:
     """``("stale" | "malformed", why)`` where the entry is not what sizing would store."""
     size, estimate = entry.get("micro_batch_size"), entry.get("estimated_bytes")
-    if not (_is_count(size) and 1 <= size <= target_batch_size):
+    if not (checks.is_int(size) and 1 <= size <= target_batch_size):
         return "stale", f"micro_batch_size={size!r} is not in [1, {target_batch_size}]"
-    if estimate is not None and not (_is_count(estimate) and estimate >= 0):
+    if estimate is not None and not (checks.is_int(estimate) and estimate >= 0):
         return "malformed", f"estimated_bytes={estimate!r} is not an int >= 0 nor null"
     return None
 

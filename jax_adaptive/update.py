@@ -124,8 +124,11 @@ class Updater:
         The programs take ``T`` at run time: a new ``T`` compiles no size again.
         """
         self.planner.start_update()
-        weights = self._ones(self.T) if weights is None else np.asarray(weights, np.float32)
-        batch = _live_inputs(batch, weights)
+        if weights is None:  # every row live: nothing to gather
+            weights = self._ones(self.T)
+        else:
+            weights = np.asarray(weights, np.float32)
+            batch = _live_inputs(batch, weights)
         progress = self._fresh(state)
         failed = False
         while True:

@@ -673,7 +673,7 @@ def test_the_ghost_batch_is_the_runs_so_every_plan_trains_the_same(tmp_path, cap
     assert out == "" and err.count("\n") == 1, (out, err)
     assert "--micro-batch-size 16 holds no whole number of BatchNorm's ghost batches of 32" in err
     losses = {}
-    for micro in (16, 64):  # four ghost batches a micro-batch, or one
+    for micro in (16, 64):  # one ghost batch a micro-batch, or four
         workdir = tmp_path / str(micro)
         plan = ["--ghost-batch-size", "16", "--micro-batch-size", str(micro)]
         assert main([*flags, *plan, "--workdir", str(workdir)]) == 0

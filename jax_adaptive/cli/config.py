@@ -155,6 +155,8 @@ def check_config(config: TrainConfig) -> None:
     check("--checkpoint-every", config.checkpoint_every)
     if config.multiple_of is not None:
         check("--multiple-of", config.multiple_of, **t_max)
+    if config.ghost_batch_size is not None:
+        check("--ghost-batch-size", config.ghost_batch_size, **t_max)
     _check_ghost(config)
     check("--eval-every", config.eval_every, low=0)
     if config.target_tokens is not None:
@@ -212,10 +214,9 @@ def ghost_batch_size(config: TrainConfig) -> int | None:
 
 
 def _check_ghost(config: TrainConfig) -> None:
-    """``--ghost-batch-size`` for a BatchNorm zoo model only, dividing what it must."""
+    """``--ghost-batch-size`` (in range) for a BatchNorm zoo model only, dividing what it must."""
     ghost, chosen = ghost_batch_size(config), config.ghost_batch_size
     if chosen is not None:
-        checks.flag_int("--ghost-batch-size", chosen, high=_MAX_T, high_name="2**31 - 1")
         batch_norm = [name for name, (_, mutable) in IMAGE_MODELS.items() if mutable]
         _refuse(
             (config.data_parallel, "--ghost-batch-size does not combine with --data-parallel "

@@ -66,6 +66,7 @@ def _plan_line(
     trainer: AdaptiveTrainer, search: dict[str, Any], done: int, config: TrainConfig
 ) -> str:
     largest, where = trainer.plan_info.largest, search["from_plan_cache"]
+    ghost = ghost_batch_size(config)
     return (
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {trainer.target_batch_size}; "
@@ -76,8 +77,7 @@ def _plan_line(
            if largest not in (None, trainer.micro_batch_size) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
-        + (f"; BatchNorm over ghost batches of {ghost_batch_size(config)}"
-           if ghost_batch_size(config) else "")
+        + (f"; BatchNorm over ghost batches of {ghost}" if ghost else "")
         + (f"; resumed at update {done}" if done else "")
     )  # fmt: skip
 
@@ -211,8 +211,8 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     if config.batch_schedule is not None:
         run["batch_schedule"] = config.batch_schedule
-    if ghost_batch_size(config) is not None:  # a BatchNorm's statistics: the training's
-        run["ghost_batch_size"] = ghost_batch_size(config)
+    if (ghost := ghost_batch_size(config)) is not None:  # BatchNorm's statistics: the training's
+        run["ghost_batch_size"] = ghost
     # The stream's position after an update: the examples of the updates so far.
     per_update = config.target_batch_size if config.batch_schedule is None else (
         config.schedule().examples_before)  # fmt: skip

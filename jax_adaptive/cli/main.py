@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         "model, combined with its ghost batch)")
     add("--ghost-batch-size", type=int, default=None,
         help="the zoo's ResNets: examples per BatchNorm statistic, the same on any device "
-        f"(default: the largest divisor of {GHOST_BATCH_SIZE} dividing the target batch, at "
+        f"(default: the largest divisor of {GHOST_BATCH_SIZE} dividing every target batch, at "
         "least 8); every micro-batch holds whole ghost batches")
     add("--data-parallel", action="store_true",
         help=f"split each micro-batch over all devices ({jax.device_count()} here); the "
