@@ -9,7 +9,6 @@ import functools
 import math
 import os
 from collections.abc import Callable, Hashable
-from operator import attrgetter
 from typing import Any, Literal
 
 import jax
@@ -21,7 +20,7 @@ from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, Sized, Sizing
+from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded
 
 __all__ = ["AdaptiveStep", "StepBuilder"]
 
@@ -154,14 +153,11 @@ class AdaptiveStep:
         """The compiled step (a ``jax.stages.Compiled``) of the size in use."""
         return self.compile(self.micro_batch_size)
 
-    search_log = property(attrgetter("sizing.search_log"), doc="Every `SizeTrial`, every shape.")
-    compiles = property(attrgetter("sizing.compiles"), doc="Step compiles, for every shape.")
-    memory_limit = property(attrgetter("sizing.memory_limit"), doc="The simulated device's bytes.")
-    fault_hook = property(
-        attrgetter("sizing.fault_hook"),
-        lambda self, hook: setattr(self.sizing, "fault_hook", hook),
-        doc="Called before each compile and each run; see `jax_adaptive.testing`.",
-    )
+    search_log = forwarded("sizing.search_log", "Every `SizeTrial`, every shape.")
+    compiles = forwarded("sizing.compiles", "Step compiles, for every shape.")
+    memory_limit = forwarded("sizing.memory_limit", "The simulated device's bytes.")
+    fault_hook = forwarded("sizing.fault_hook", "Called before each compile and each run; see "
+                           "`jax_adaptive.testing`.", settable=True)  # fmt: skip
 
     @property
     def memory_model(self) -> MemoryModel:

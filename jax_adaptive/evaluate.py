@@ -17,7 +17,7 @@ from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, Sized, Sizing
+from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn", "TrainerEvaluations"]
 
@@ -121,18 +121,15 @@ class Evaluator:
         self._mode: _Mode = "evaluate"
         self._program: Binding | None = None  # the engine's binding of the last run
 
-    search_log = property(attrgetter("sizing.search_log"), doc="Every `SizeTrial`, both modes.")
-    compiles = property(attrgetter("sizing.compiles"), doc="Programs compiled, one per size.")
+    search_log = forwarded("sizing.search_log", "Every `SizeTrial`, both modes.")
+    compiles = forwarded("sizing.compiles", "Programs compiled, one per size.")
     memory_limit = property(
         attrgetter("sizing.memory_limit"),
         lambda self, limit: self.sizing.set_memory_limit(limit),
         doc="The simulated device's bytes; set it to change the cap for the next run.",
     )
-    fault_hook = property(
-        attrgetter("sizing.fault_hook"),
-        lambda self, hook: setattr(self.sizing, "fault_hook", hook),
-        doc="Called before each compile and each batch that runs (see `jax_adaptive.testing`).",
-    )
+    fault_hook = forwarded("sizing.fault_hook", "Called before each compile and each batch "
+                           "that runs (see `jax_adaptive.testing`).", settable=True)  # fmt: skip
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach (docs/memory.md); None: unknown.

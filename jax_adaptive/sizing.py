@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -41,7 +42,14 @@ from jax_adaptive.plan import DecidedBy, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import search_max_size
 
-__all__ = ["Executable", "FaultHook", "Sized", "Sizing", "compile_measured"]
+__all__ = [
+    "Executable",
+    "FaultHook",
+    "Sized",
+    "Sizing",
+    "compile_measured",
+    "forwarded",
+]
 
 log = logging.getLogger("jax_adaptive")
 if not log.handlers:  # say what the search does unless the user set up this logger
@@ -60,6 +68,28 @@ class FaultHook(Protocol):
 
     def before_execution(self, size: int, args: Any) -> None:
         """Called before a program of ``size`` runs on ``args``."""
+
+
+def forwarded(path: str, doc: str, settable: bool = False) -> property:
+    """A property of the value at the dotted ``path`` (a client's view of its engine).
+
+    ``settable``: assigning the property assigns the value there.
+
+    Examples:
+        >>> class Client:
+        ...     hook = forwarded("engine.hook", "The engine's hook.", settable=True)
+        >>> client = Client()
+        >>> client.engine = type("Engine", (), {"hook": None})()
+        >>> client.hook = print
+        >>> client.engine.hook is print
+        True
+    """
+    get = operator.attrgetter(path)
+    if not settable:
+        return property(get, doc=doc)
+    owner, _, name = path.rpartition(".")
+    return property(get, lambda self, value: setattr(operator.attrgetter(owner)(self), name, value),
+                    doc=doc)  # fmt: skip
 
 
 class Executable(NamedTuple):

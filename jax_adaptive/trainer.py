@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -22,18 +21,13 @@ from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
-from jax_adaptive.sizing import FaultHook, Sizing
+from jax_adaptive.sizing import Sizing, forwarded
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
 from jax_adaptive.update import Updater
 
 __all__ = ["AdaptiveTrainer"]
 
 log = logging.getLogger("jax_adaptive")
-
-
-def _reads(path: str, doc: str) -> property:
-    """A read-only property of the value at ``path`` (dotted attributes of the trainer)."""
-    return property(operator.attrgetter(path), doc=doc)
 
 
 class AdaptiveTrainer:
@@ -147,19 +141,19 @@ class AdaptiveTrainer:
 
     # ----------------------------------------------------------------- what it holds
 
-    compiles = _reads("_sizing.compiles", "Micro-step compiles so far (one per size measured).")
-    search_log = _reads("_sizing.search_log", "Every size decided (`jax_adaptive.SizeTrial`).")
-    throughput_log = _reads("_planner.throughput_log", "What objective='throughput' timed.")
-    memory_model = _reads("_planner.memory_model", "The sizes measured and their peaks.")
-    trace_counts = _reads("_executables.trace_counts", "Traces of the micro-step per size.")
-    host_bytes = _reads("_updater.host_bytes", "Bytes copied to the host for recovery.")
-    memory_limit = _reads("_sizing.memory_limit", "The simulated device's bytes.")
-    sizing = _reads("_sizing", "The sizing engine (`jax_adaptive.sizing.Sizing`).")
-    headroom = _reads("_sizing.headroom", "The share of a device's capacity left unused.")
-    plan_cache = _reads("_sizing.plan_cache", "Where plans are remembered, or None.")
-    mesh = _reads("placement.mesh", "The data-parallel mesh, or None.")
-    shards = _reads("placement.shards", "The data shards (1 without a mesh).")
-    device = _reads("placement.device", "The device this process trains on.")
+    compiles = forwarded("_sizing.compiles", "Micro-step compiles so far (one per size measured).")
+    search_log = forwarded("_sizing.search_log", "Every size decided (`jax_adaptive.SizeTrial`).")
+    throughput_log = forwarded("_planner.throughput_log", "What objective='throughput' timed.")
+    memory_model = forwarded("_planner.memory_model", "The sizes measured and their peaks.")
+    trace_counts = forwarded("_executables.trace_counts", "Traces of the micro-step per size.")
+    host_bytes = forwarded("_updater.host_bytes", "Bytes copied to the host for recovery.")
+    memory_limit = forwarded("_sizing.memory_limit", "The simulated device's bytes.")
+    sizing = forwarded("_sizing", "The sizing engine (`jax_adaptive.sizing.Sizing`).")
+    headroom = forwarded("_sizing.headroom", "The share of a device's capacity left unused.")
+    plan_cache = forwarded("_sizing.plan_cache", "Where plans are remembered, or None.")
+    mesh = forwarded("placement.mesh", "The data-parallel mesh, or None.")
+    shards = forwarded("placement.shards", "The data shards (1 without a mesh).")
+    device = forwarded("placement.device", "The device this process trains on.")
 
     @property
     def target_batch_size(self) -> int:
@@ -193,14 +187,8 @@ class AdaptiveTrainer:
         """The sizes whose compiled micro-step is held now (the size in use, after a plan)."""
         return self._executables.compiled_sizes()
 
-    @property
-    def fault_hook(self) -> FaultHook | None:
-        """Called before each compile and micro-step; see `jax_adaptive.testing`."""
-        return self._sizing.fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook: FaultHook | None) -> None:
-        self._sizing.fault_hook = hook
+    fault_hook = forwarded("_sizing.fault_hook", "Called before each compile and micro-step; "
+                           "see `jax_adaptive.testing`.", settable=True)  # fmt: skip
 
     # ----------------------------------------------------------------- public API
 
