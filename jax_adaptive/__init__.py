@@ -6,7 +6,9 @@ else is importable from its module (``jax_adaptive.memory.tree_bytes``, ...).
 Which entry point:
 
 * a per-example loss and an optax optimizer: `AdaptiveTrainer`;
-* a Flax NNX module: `NnxTrainer`;
+* a Flax NNX training step (``@nnx.jit``): `AdaptiveNnxStep` around it,
+  `micro_batch_value_and_grad` inside it;
+* a Flax NNX module and an optax optimizer: `NnxTrainer`;
 * your own jitted training step: `AdaptiveStep` around it, `micro_batch_grad` inside it;
 * inputs of varying shape (sequences): `BucketedTrainer`, `bucket_batches`;
 * evaluation and prediction: `Evaluator` (or `AdaptiveTrainer.evaluate`);
@@ -34,6 +36,7 @@ from jax_adaptive.evaluate import Evaluator
 from jax_adaptive.ghost import ghost_batches
 from jax_adaptive.memory import Ledger, estimate_peak_bytes
 from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad
+from jax_adaptive.nnx_step import AdaptiveNnxStep, micro_batch_value_and_grad
 from jax_adaptive.nnx_trainer import NnxTrainer
 from jax_adaptive.plan import Plan, SizeTrial
 from jax_adaptive.plan_cache import PlanCache
@@ -42,6 +45,7 @@ from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
+    "AdaptiveNnxStep",
     "AdaptiveStep",
     "AdaptiveTrainer",
     "BucketBatch",
@@ -67,6 +71,7 @@ __all__ = [
     "ghost_batches",
     "is_oom",
     "micro_batch_grad",
+    "micro_batch_value_and_grad",
     "pow2_buckets",
     "search_max_size",
 ]

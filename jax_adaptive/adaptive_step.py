@@ -261,7 +261,10 @@ class AdaptiveStep:
     def _largest(self, reason: str) -> int:
         """The largest multiple of ``multiple_of`` up to the batch size that fits, trimmed."""
         lo, hi = self.multiple_of, self._batch_size // self.multiple_of * self.multiple_of
-        return self._trimmed(self._program.largest_fitting(hi=hi, reason=reason, lo=lo, least=lo))
+        largest = self._program.largest_fitting(
+            hi=hi, reason=reason, lo=lo, multiple_of=lo, least=lo
+        )
+        return self._trimmed(largest)
 
     def _trimmed(self, largest: int) -> int:
         if self.objective == "least_padding":

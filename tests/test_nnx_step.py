@@ -1,0 +1,172 @@
+"""Flax's NNX MNIST step, converted as the guide shows, against the original step.
+
+The example's model, loss, optimizer and metrics (examples/nnx_mnist.py) with Dropout at
+rate 0; the reference runs Flax's own ``nnx.value_and_grad`` and ``nnx.Optimizer``, the
+batch's groups one after another, and never calls jax_adaptive.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_adaptive as ja
+
+_PATH = Path(__file__).parents[1] / "examples" / "nnx_mnist.py"
+_spec = importlib.util.spec_from_file_location("nnx_mnist", _PATH)
+mnist = importlib.util.module_from_spec(_spec)
+sys.modules["nnx_mnist"] = mnist
+_spec.loader.exec_module(mnist)
+
+T, G = 40, 8  # the batch, the ghost batch
+BATCHES = list(mnist.random_batches(3, T))
+
+
+def objects():
+    """The example's model, optimizer, metrics and rngs, Dropout at rate 0."""
+    model = mnist.CNN(rngs=nnx.Rngs(0))
+    model.dropout1.rate = model.dropout2.rate = 0.0
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05, 0.9), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    model.train()
+    return model, optimizer, metrics, nnx.Rngs(0)
+
+
+def reference(sizes):
+    """The original step's code over ``BATCHES``, BatchNorm over groups of ``sizes``."""
+    model, optimizer, metrics, rngs = objects()
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch, rngs):
+        grads, loss, logits, start = None, 0.0, [], 0
+        for size in sizes:
+            part = {key: value[start : start + size] for key, value in batch.items()}
+            grad_fn = nnx.value_and_grad(mnist.loss_fn, has_aux=True)
+            (part_loss, part_logits), part_grads = grad_fn(model, part, rngs)
+            weighted = jax.tree.map(lambda g, w=size / T: g * w, part_grads)
+            grads = weighted if grads is None else jax.tree.map(jnp.add, grads, weighted)
+            loss, start = loss + part_loss * size / T, start + size
+            logits.append(part_logits)
+        metrics.update(loss=loss, logits=jnp.concatenate(logits), labels=batch["label"])
+        optimizer.update(model, grads)
+
+    for batch in BATCHES:
+        train_step(model, optimizer, metrics, batch, rngs)
+    return model, optimizer, metrics
+
+
+def assert_same(got, want):
+    for name, filt in [("params", nnx.Param), ("batch_stats", nnx.BatchStat)]:
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(got[0], filt)),
+            jax.tree.leaves(nnx.state(want[0], filt)),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    opt = [jax.tree.leaves(nnx.state(o, nnx.OptState)) for o in (got[1], want[1])]
+    for a, b in zip(*opt, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg="optimizer state")
+    computed = [o.compute() for o in (got[2], want[2])]
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(computed[0][name], computed[1][name], rtol=1e-5)
+
+
+def limit_for(step_fn, size, **kwargs):
+    """The bytes the step at ``size`` needs: a device that holds it and nothing larger."""
+    probe = ja.AdaptiveNnxStep(step_fn, plan_cache=False, **kwargs)
+    model, optimizer, metrics, rngs = objects()
+    probe(model, optimizer, metrics, BATCHES[0], rngs)  # plans the whole batch
+    return probe.step.ledger(size).total
+
+
+def train(step, faults=None):
+    model, optimizer, metrics, rngs = objects()
+    sizes = []
+    for i, batch in enumerate(BATCHES):
+        if i == 1 and faults is not None:
+            step.step.fault_hook = faults
+        step(model, optimizer, metrics, batch, rngs)
+        sizes.append(step.micro_batch_size)
+    return (model, optimizer, metrics), sizes
+
+
+def test_the_converted_example_equals_the_original_step_at_a_plan_that_does_not_divide():
+    step_fn = mnist.train_step.step_fn  # the example's step, converted as the guide shows
+    limit = limit_for(step_fn, 24)
+    step = ja.AdaptiveNnxStep(step_fn, memory_limit=limit, objective="max", plan_cache=False)
+    got, sizes = train(step)
+    assert sizes == [24] * 3 and T % 24  # a plan that does not divide the batch
+    assert_same(got, reference([24, 16]))  # BatchNorm over each micro-batch, in order
+
+
+class _OutOfMemory:
+    """An out-of-memory raised at the first run after it is installed (at dispatch)."""
+
+    def __init__(self):
+        self.fired = []
+
+    def before_compile(self, size):
+        pass
+
+    def before_execution(self, size, args):
+        if not self.fired:
+            self.fired.append(size)
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
+
+
+@nnx.jit  # kept: AdaptiveNnxStep runs the Python function under it
+def ghost_step(model, optimizer, metrics, batch, rngs):
+    """The example's step with ghost batches of G: the same training at every plan."""
+    grad_fn = ja.micro_batch_value_and_grad(mnist.loss_fn, has_aux=True, ghost_batch_size=G)
+    (loss, logits), grads = grad_fn(model, batch, rngs)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def test_ghost_batches_train_the_same_at_every_plan_and_after_an_out_of_memory():
+    limit = limit_for(ghost_step, 24, multiple_of=G)
+    step = ja.AdaptiveNnxStep(
+        ghost_step, memory_limit=limit, multiple_of=G, objective="max", plan_cache=False
+    )
+    faults = _OutOfMemory()
+    got, sizes = train(step, faults)
+    assert faults.fired == [24] and sizes[0] == 24 and sizes[-1] < 24, (faults.fired, sizes)
+    assert all(size % G == 0 for size in sizes)
+    assert_same(got, reference([G] * (T // G)))
+
+
+def test_without_a_plan_it_is_nnx_value_and_grad():
+    model, optimizer, metrics, rngs = objects()
+    step = ja.AdaptiveNnxStep(mnist.train_step.step_fn, plan_cache=False)
+    for batch in BATCHES:
+        step(model, optimizer, metrics, batch, rngs)
+    assert step.micro_batch_size == T
+    assert_same((model, optimizer, metrics), reference([T]))  # the original step verbatim
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"micro_batch_size": 0}, "micro_batch_size=0 must be"),
+        ({"ghost_batch_size": 16}, "not whole ghost batches of ghost_batch_size=16"),
+        ({"batch_argnum": 5}, "batch_argnum=5 is not one of the 3 arguments"),
+        ({"argnums": 1}, "argnums=1 must be an NNX object"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(kwargs, match):
+    model, batch, rngs = mnist.CNN(rngs=nnx.Rngs(0)), BATCHES[0], nnx.Rngs(0)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ja.micro_batch_value_and_grad(mnist.loss_fn, has_aux=True, **kwargs)(model, batch, rngs)
+
+
+def test_a_step_with_two_array_arguments_must_say_which_is_the_batch():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    step = ja.AdaptiveNnxStep(lambda model, batch, lr: None, plan_cache=False)
+    with pytest.raises(ValueError, match="say which is the batch with batch_argnum"):
+        step(model, {"x": np.ones((4, 2), np.float32)}, np.float32(0.1))
