@@ -22,6 +22,7 @@ __all__ = [
     "PeerOutOfMemory",
     "SimulatedOutOfMemory",
     "StateLostError",
+    "UnboundAxisError",
     "catch_oom",
     "is_oom",
 ]
@@ -230,3 +231,31 @@ class StateLostError(RuntimeError):
         >>> issubclass(StateLostError, RuntimeError)
         True
     """
+
+
+class UnboundAxisError(NameError):
+    """A model reduces over a named axis (written for ``pmap``) that nothing binds.
+
+    JAX's own `NameError` ("unbound axis name"), said with the argument that binds it.
+
+    Attributes:
+        axis_name: the axis, as the model names it (Flax's ImageNet example: ``"batch"``).
+
+    Examples:
+        >>> str(UnboundAxisError("batch", "linen_classifier_loss")).split(": ")[-1]
+        "pass axis_name='batch' to linen_classifier_loss."
+    """
+
+    def __init__(self, axis_name: str, where: str):
+        self.axis_name = axis_name
+        super().__init__(
+            f"the model reduces over the axis {axis_name!r} (BatchNorm(axis_name="
+            f"{axis_name!r}), written for pmap) and nothing binds it: pass "
+            f"axis_name={axis_name!r} to {where}."
+        )
+
+    @classmethod
+    def parse(cls, exc: NameError, where: str) -> UnboundAxisError | None:
+        """JAX's "unbound axis name: NAME" as this error; None for another `NameError`."""
+        found = re.search(r"unbound axis name: (\w+)", str(exc))
+        return None if found is None else cls(found.group(1), where)

@@ -3,6 +3,7 @@ import io
 import itertools
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -400,14 +401,20 @@ def test_a_users_own_model_trains_and_evaluates_from_the_cli(tmp_path, capsys):
         ("no_such_module:make", "cannot import no_such_module (ModuleNotFoundError"),
         ("user_model:", "must be a zoo model or package.module:factory"),
         ("lenet", "is neither a zoo model"),
+        (
+            "user_model:make_model --ghost-batch-size 8",
+            "models with BatchNorm statistics; --model user_model:make_model has none",
+        ),
     ],
 )
 def test_a_users_model_that_breaks_the_contract_is_one_line_naming_the_flag(spec, message,
                                                                             capsys):  # fmt: skip
-    assert main(["--model", spec, "--updates", "1", "--no-progress", "--no-plan-cache"]) == 2
+    spec, *more = spec.split()
+    argv = ["--model", spec, *more, "--updates", "1", "--no-progress", "--no-plan-cache"]
+    assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, (out, err)
-    assert err.startswith(f"error: --model {spec!r}") and message in err, err
+    assert message in err and (more or err.startswith(f"error: --model {spec!r}")), err
 
 
 def test_a_users_failing_factory_is_one_line_that_keeps_its_traceback():
@@ -682,6 +689,27 @@ def test_the_ghost_batch_is_the_runs_so_every_plan_trains_the_same(tmp_path, cap
         assert [m["micro_batch_size"] for m in lines] == [micro, micro], lines
         losses[micro] = [m["loss"] for m in lines]
     np.testing.assert_allclose(losses[16], losses[64], rtol=1e-5, atol=1e-6)
+
+
+def test_a_users_batch_norm_model_written_for_pmap_trains_the_same_at_every_plan(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 29: a ResNet as Flax's ImageNet example writes one (BatchNorm(axis_name=
+    "batch"), examples/imagenet_resnet.py) runs unchanged, with ghost batches by default."""
+    monkeypatch.syspath_prepend(
+        str(pathlib.Path(__file__).parents[1])
+    )  # as `python -m` from the repo
+    flags = ["--model", "examples.imagenet_resnet:make_tiny", "--target-batch-size", "128",
+             "--updates", "2", "--eval-every", "0", "--no-progress", "--no-plan-cache"]  # fmt: skip
+    losses = {}
+    for micro in (32, 128):
+        workdir = tmp_path / str(micro)
+        assert main([*flags, "--micro-batch-size", str(micro), "--workdir", str(workdir)]) == 0
+        assert "BatchNorm over ghost batches of 32" in capsys.readouterr().out
+        losses[micro] = [m["loss"] for m in _metrics(workdir)]
+    np.testing.assert_allclose(losses[32], losses[128], rtol=1e-5, atol=1e-6)
+    assert main([*flags, "--micro-batch-size", "48"]) == 2  # no whole ghost batches: refused
+    assert "or --ghost-batch-size 0 (statistics per micro-batch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 
 __all__ = [
     "GHOST_BATCH_SIZE", "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES",
-    "TrainConfig", "check_config", "ghost_batch_size", "load_factory", "make_optimizer",
+    "TrainConfig", "check_config", "check_ghost", "ghost_batch_size", "load_factory",
+    "make_optimizer",
 ]  # fmt: skip
 
 IMAGE_MODELS = {  # each zoo image model and the variables it mutates
@@ -156,8 +157,9 @@ def check_config(config: TrainConfig) -> None:
     if config.multiple_of is not None:
         check("--multiple-of", config.multiple_of, **t_max)
     if config.ghost_batch_size is not None:
-        check("--ghost-batch-size", config.ghost_batch_size, **t_max)
-    _check_ghost(config)
+        check("--ghost-batch-size", config.ghost_batch_size, low=0, **t_max)
+    if ":" not in config.model:  # a user's model is checked once loaded
+        check_ghost(config, bool(IMAGE_MODELS.get(config.model, (None, ()))[1]))
     check("--eval-every", config.eval_every, low=0)
     if config.target_tokens is not None:
         check("--target-tokens", config.target_tokens, **t_max)
@@ -190,12 +192,14 @@ GHOST_BATCH_SIZE = 32
 """The examples each BatchNorm statistic of the ResNets is computed over, by default."""
 
 
-def ghost_batch_size(config: TrainConfig) -> int | None:
-    """The ghost batch of a zoo model with BatchNorm: a property of the run, not the plan.
+def ghost_batch_size(config: TrainConfig, batch_norm: bool | None = None) -> int | None:
+    """The ghost batch of a model with BatchNorm: a property of the run, not the plan.
 
-    ``--ghost-batch-size``, else the largest divisor of `GHOST_BATCH_SIZE` that divides
-    every target batch, at least 8; else None, as for other models or a data-parallel run.
-    Every micro-batch holds whole ghost batches, so the training is the same on any device.
+    ``--ghost-batch-size`` (0: none), else the largest divisor of `GHOST_BATCH_SIZE` that
+    divides every target batch, at least 8; else None, as for a model without BatchNorm
+    (``batch_norm``; None: the zoo's table, False for a user's model until it is loaded)
+    or a data-parallel run. Every micro-batch holds whole ghost batches, so the training
+    is the same on any device.
 
     Examples:
         >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=96))
@@ -205,7 +209,9 @@ def ghost_batch_size(config: TrainConfig) -> int | None:
         >>> ghost_batch_size(TrainConfig(model="resnet-tiny", target_batch_size=100)) is None
         True
     """
-    if not IMAGE_MODELS.get(config.model, (None, ()))[1] or config.data_parallel:
+    if batch_norm is None:
+        batch_norm = bool(IMAGE_MODELS.get(config.model, (None, ()))[1])
+    if not batch_norm or config.data_parallel or config.ghost_batch_size == 0:
         return None
     if config.ghost_batch_size is not None:
         return config.ghost_batch_size
@@ -213,16 +219,18 @@ def ghost_batch_size(config: TrainConfig) -> int | None:
     return size if size >= 8 else None
 
 
-def _check_ghost(config: TrainConfig) -> None:
-    """``--ghost-batch-size`` (in range) for a BatchNorm zoo model only, dividing what it must."""
-    ghost, chosen = ghost_batch_size(config), config.ghost_batch_size
-    if chosen is not None:
-        batch_norm = [name for name, (_, mutable) in IMAGE_MODELS.items() if mutable]
+def check_ghost(config: TrainConfig, batch_norm: bool) -> None:
+    """``--ghost-batch-size`` for a BatchNorm model only, dividing what it must.
+
+    The command line checks a zoo model's with the other flags, a user's model once loaded.
+    """
+    ghost, chosen = ghost_batch_size(config, batch_norm), config.ghost_batch_size
+    if chosen:
         _refuse(
             (config.data_parallel, "--ghost-batch-size does not combine with --data-parallel "
              "(each device normalizes its own share of a micro-batch)."),
-            (ghost is None, f"--ghost-batch-size is for the zoo's models with BatchNorm "
-             f"({', '.join(batch_norm)}); --model {config.model} has none."),
+            (ghost is None, f"--ghost-batch-size is for models with BatchNorm statistics; "
+             f"--model {config.model} has none."),
             (any(t % chosen for t in config.target_sizes()), f"--ghost-batch-size {chosen} "
              f"must divide every target batch ({', '.join(map(str, config.target_sizes()))})."),
         )  # fmt: skip
@@ -230,7 +238,8 @@ def _check_ghost(config: TrainConfig) -> None:
     _refuse(
         (ghost is not None and micro != "auto" and micro % ghost, f"--micro-batch-size {micro} "
          f"holds no whole number of BatchNorm's ghost batches of {ghost}: pass a multiple of "
-         f"{ghost}, or a --ghost-batch-size that divides {micro}."),
+         f"{ghost}, a --ghost-batch-size that divides {micro}, or --ghost-batch-size 0 "
+         "(statistics per micro-batch: the training then depends on the device)."),
     )  # fmt: skip
 
 

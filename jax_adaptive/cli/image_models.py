@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive import models
-from jax_adaptive.cli.config import IMAGE_MODELS, TrainConfig, ghost_batch_size, load_factory
+from jax_adaptive.cli.config import (
+    IMAGE_MODELS,
+    TrainConfig,
+    check_ghost,
+    ghost_batch_size,
+    load_factory,
+)
+from jax_adaptive.errors import UnboundAxisError
 
 __all__ = ["ImageModel", "image_model", "multiple_of"]
 
@@ -46,7 +53,7 @@ def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
         >>> type(model.module).__name__, model.mutable
         ('MLP', ())
     """
-    spec, ghost, loss, init_kwargs = config.model, ghost_batch_size(config), {}, {}
+    spec, loss, init_kwargs = config.model, {}, {}
     two = {k: jnp.stack([jnp.asarray(v)] * 2) for k, v in example.items()}
     if ":" in spec:
         module, loss["loss"] = _factory_model(spec, num_classes)
@@ -54,15 +61,32 @@ def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
         variables = _guarded(spec, "model.init", lambda: jax.eval_shape(
             lambda: module.init(jax.random.key(0), two["image"][:1], **init_kwargs)))  # fmt: skip
         mutable = tuple(name for name in variables if name != "params")
+        check_ghost(config, "batch_stats" in mutable)
+        ghost = ghost_batch_size(config, "batch_stats" in mutable)
     else:
         module_type, mutable = IMAGE_MODELS[spec]
-        module = module_type(num_classes=num_classes)
-    loss_fn = models.linen_classifier_loss(module, mutable=mutable, ghost_batch_size=ghost, **loss)
-    eval_loss = models.linen_classifier_loss(module, mutable=mutable, train=False, **loss)
+        module, ghost = module_type(num_classes=num_classes), ghost_batch_size(config)
+
+    def make_losses(axis_name: str | None = None) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The training loss and the evaluation loss, ``axis_name`` bound."""
+        kwargs = {"mutable": mutable, "axis_name": axis_name, **loss}
+        return (models.linen_classifier_loss(module, ghost_batch_size=ghost, **kwargs),
+                models.linen_classifier_loss(module, train=False, **kwargs))  # fmt: skip
+
+    loss_fn, eval_loss = make_losses()
     if loss:
         params, state = variables["params"], {k: v for k, v in variables.items() if k in mutable}
         args = (params, state, two) if mutable else (params, two)
-        out = _guarded(spec, "the loss", lambda: jax.eval_shape(loss_fn, *args, jax.random.key(0)))
+
+        def shapes() -> Any:
+            nonlocal loss_fn, eval_loss
+            try:
+                return jax.eval_shape(loss_fn, *args, jax.random.key(0))
+            except UnboundAxisError as exc:  # written for pmap: bound over each (ghost) batch
+                loss_fn, eval_loss = make_losses(exc.axis_name)
+                return jax.eval_shape(loss_fn, *args, jax.random.key(0))
+
+        out = _guarded(spec, "the loss", shapes)
         shape = np.shape(out[0][0] if mutable else out[0])
         if shape != (2,):
             raise ValueError(

@@ -63,10 +63,10 @@ def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_sta
 
 
 def _plan_line(
-    trainer: AdaptiveTrainer, search: dict[str, Any], done: int, config: TrainConfig
-) -> str:
+    trainer: AdaptiveTrainer, search: dict[str, Any], done: int, config: TrainConfig,
+    ghost: int | None,
+) -> str:  # fmt: skip
     largest, where = trainer.plan_info.largest, search["from_plan_cache"]
-    ghost = ghost_batch_size(config)
     return (
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {trainer.target_batch_size}; "
@@ -129,7 +129,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
-    print(_plan_line(trainer, search, done, config), file=out)
+    print(_plan_line(trainer, search, done, config, model.ghost), file=out)
 
     def evaluate(state: TrainState) -> dict[str, Any]:
         metrics = trainer.evaluate(state, held_out, model.metric_fn)
@@ -211,7 +211,8 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     run = {f: getattr(config, f) for f in _RUN_FIELDS}  # what a resumed checkpoint must match
     if config.batch_schedule is not None:
         run["batch_schedule"] = config.batch_schedule
-    if (ghost := ghost_batch_size(config)) is not None:  # BatchNorm's statistics: the training's
+    # BatchNorm's statistics are the training's (a user's model: if it has BatchNorm)
+    if (ghost := ghost_batch_size(config, True if ":" in config.model else None)) is not None:
         run["ghost_batch_size"] = ghost
     # The stream's position after an update: the examples of the updates so far.
     per_update = config.target_batch_size if config.batch_schedule is None else (

@@ -147,9 +147,10 @@ def _parser() -> argparse.ArgumentParser:
         help="search only micro-batches that are multiples of this (with a BatchNorm zoo "
         "model, combined with its ghost batch)")
     add("--ghost-batch-size", type=int, default=None,
-        help="the zoo's ResNets: examples per BatchNorm statistic, the same on any device "
-        f"(default: the largest divisor of {GHOST_BATCH_SIZE} dividing every target batch, at "
-        "least 8); every micro-batch holds whole ghost batches")
+        help="a model with BatchNorm (the zoo's ResNets, yours): examples per BatchNorm "
+        f"statistic, the same on any device (default: the largest divisor of {GHOST_BATCH_SIZE} "
+        "dividing every target batch, at least 8; 0: per micro-batch, which depends on the "
+        "device); every micro-batch holds whole ghost batches")
     add("--data-parallel", action="store_true",
         help=f"split each micro-batch over all devices ({jax.device_count()} here); the "
         "searched size is then per device")

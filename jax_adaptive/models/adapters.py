@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax_adaptive.errors import UnboundAxisError
 from jax_adaptive.ghost import ghost_batches
 
 Loss = Callable[[jax.Array, jax.Array], jax.Array]
@@ -93,6 +94,8 @@ def linen_classifier_loss(
 
     Raises:
         ValueError: for ``ghost_batch_size`` without ``mutable`` or with ``train=False``.
+        jax_adaptive.errors.UnboundAxisError: when called, for a model written for
+            ``pmap`` (its BatchNorm reduces over a named axis) without ``axis_name``.
 
     Examples:
         >>> from jax_adaptive.models import MLP
@@ -113,7 +116,13 @@ def linen_classifier_loss(
             return model.apply(variables, x, rngs={"dropout": rng}, mutable=mutates, **kwargs)
 
         if axis_name is None:
-            out = call(batch[image_key])
+            try:
+                out = call(batch[image_key])
+            except NameError as exc:  # a model written for pmap: name the argument to pass
+                unbound = UnboundAxisError.parse(exc, "linen_classifier_loss")
+                if unbound is None:
+                    raise
+                raise unbound from exc
         else:  # bound as pmap would: BatchNorm's mean reduces over this micro-batch
             x = jax.tree.map(lambda a: a[None], batch[image_key])
             out = jax.tree.map(lambda a: a[0], jax.vmap(call, axis_name=axis_name)(x))
