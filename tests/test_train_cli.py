@@ -671,24 +671,14 @@ def test_resume_refuses_another_training_and_takes_another_plan(tmp_path, capsys
     assert "resumed at update 1" in capsys.readouterr().out
 
 
-def test_the_ghost_batch_is_the_runs_so_every_plan_trains_the_same(tmp_path, capsys):
-    """Issue 29: a BatchNorm model trains the same at any micro-batch, or is refused."""
-    flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--eval-every", "0",
-             "--updates", "2", "--no-progress", "--no-plan-cache"]  # fmt: skip
+def test_a_micro_batch_without_whole_ghost_batches_is_refused(capsys):
+    """Issue 29: the ghost batch is the run's; a plan that would change it is refused (the
+    same training at two plans: the next test, through a user's ResNet)."""
+    flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--updates", "2"]
     assert main([*flags, "--micro-batch-size", "16"]) == 2  # the default ghost batch: 32
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, (out, err)
     assert "--micro-batch-size 16 holds no whole number of BatchNorm's ghost batches of 32" in err
-    losses = {}
-    for micro in (16, 64):  # one ghost batch a micro-batch, or four
-        workdir = tmp_path / str(micro)
-        plan = ["--ghost-batch-size", "16", "--micro-batch-size", str(micro)]
-        assert main([*flags, *plan, "--workdir", str(workdir)]) == 0
-        assert "BatchNorm over ghost batches of 16" in capsys.readouterr().out
-        lines = _metrics(workdir)
-        assert [m["micro_batch_size"] for m in lines] == [micro, micro], lines
-        losses[micro] = [m["loss"] for m in lines]
-    np.testing.assert_allclose(losses[16], losses[64], rtol=1e-5, atol=1e-6)
 
 
 def test_a_users_batch_norm_model_written_for_pmap_trains_the_same_at_every_plan(
