@@ -170,3 +170,26 @@ def test_a_step_with_two_array_arguments_must_say_which_is_the_batch():
     step = ja.AdaptiveNnxStep(lambda model, batch, lr: None, plan_cache=False)
     with pytest.raises(ValueError, match="say which is the batch with batch_argnum"):
         step(model, {"x": np.ones((4, 2), np.float32)}, np.float32(0.1))
+
+
+def test_call_time_rngs_give_each_micro_batch_its_own_dropout_keys():
+    class Dropped(nnx.Module):  # Dropout taking rngs at call time, as the MNIST example's
+        def __init__(self):
+            self.dropout = nnx.Dropout(rate=0.5)
+            self.scale = nnx.Param(jnp.ones(()))
+
+        def __call__(self, x, rngs):
+            return self.dropout(x * self.scale[...], rngs=rngs)
+
+    def loss_fn(model, batch, rngs):
+        out = model(batch["x"], rngs)
+        return out.mean(), out
+
+    model, rngs = Dropped(), nnx.Rngs(dropout=0)
+    batch = {"x": jnp.ones((8, 64))}
+    grad_fn = ja.micro_batch_value_and_grad(loss_fn, has_aux=True, micro_batch_size=2)
+    (loss, out), grads = nnx.jit(grad_fn)(model, batch, rngs)
+    kept = np.asarray(out != 0).reshape(4, 2 * 64)  # each micro-batch's mask
+    assert len({row.tobytes() for row in kept}) == 4  # four micro-batches, four masks
+    assert int(rngs.dropout.count[...]) == 4  # the caller's Rngs moved on once per call
+    np.testing.assert_allclose(grads["scale"][...], loss, rtol=1e-6)  # d mean(s x m) / ds
