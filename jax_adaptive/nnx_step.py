@@ -172,43 +172,45 @@ def micro_batch_value_and_grad(
             grads = jax.tree.map(lambda a, g: a + w * g, grads, part_grads)
             return (grads, loss + w * part_loss, rest), _combine(aux, size, total)
 
-        turns, last = -(-total // m), total - (total - 1) // m * m  # the last turn's rows
-        carry = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), rest)
-        if turns == 1:
-            carry, aux = run(carry, batch)
-        else:
-            # One loop whose last turn takes its rows at a static offset in a branch: a
-            # last turn after the loop holds its own temporaries beside the loop's, and a
-            # loop without the branch held more (measured, 256 examples: 723 kB at m = 86
-            # with the turn after the loop against 402 kB; 409 kB at m = 64 without the
-            # branch against 304 kB), so the peak would not follow m.
-            def turn(carry: Any, i: jax.Array) -> tuple[Any, Any]:
-                def part(start: Any, size: int) -> tuple[Any, Any]:
-                    rows = jax.tree.map(lambda x: _rows(x, start, size), batch)
-                    carry_out, aux = run(carry, rows)
-                    return carry_out, jax.tree.map(lambda x: _padded(x, m), aux)
-
-                final = functools.partial(part, total - last, last)
-                return jax.lax.cond(i < turns - 1, lambda: part(i * m, m), final)
-
-            carry, aux = jax.lax.scan(turn, carry, jnp.arange(turns))
-            aux = jax.tree.map(lambda x: _flat(x)[:total] if x.ndim > 1 else x.sum(), aux)
-        grads, loss, rest = carry
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), rest)
+        (grads, loss, rest), aux = _fold(run, zeros, batch, m)
         nnx.update(nodes, rest)
         return ((loss, aux) if has_aux else loss), grads[argnums]
 
     return value_and_grad
 
 
+def _fold(run: Callable[[Any, Any], tuple[Any, Any]], carry: Any, batch: Any, m: int) -> Any:
+    """``run(carry, rows) -> (carry, aux)`` over the batch's micro-batches of ``m`` in order.
+
+    Returns the last carry and the aux of every row in order (scalar leaves summed).
+    """
+    total = leading_size(batch)
+    turns, last = -(-total // m), total - (total - 1) // m * m  # the last turn's rows
+    if turns == 1:
+        return run(carry, batch)
+
+    # One loop whose last turn takes its rows at a static offset in a branch: a last turn
+    # after the loop holds its own temporaries beside the loop's, and a loop without the
+    # branch held more (measured, 256 examples: 723 kB at m = 86 with the turn after the
+    # loop against 402 kB; 409 kB at m = 64 without the branch against 304 kB), so the
+    # peak would not follow m.
+    def turn(carry: Any, i: jax.Array) -> tuple[Any, Any]:
+        def part(start: Any, size: int) -> tuple[Any, Any]:
+            carry_out, aux = run(carry, jax.tree.map(lambda x: _rows(x, start, size), batch))
+            return carry_out, jax.tree.map(lambda x: _padded(x, m), aux)
+
+        final = functools.partial(part, total - last, last)
+        return jax.lax.cond(i < turns - 1, lambda: part(i * m, m), final)
+
+    carry, aux = jax.lax.scan(turn, carry, jnp.arange(turns))
+    return carry, jax.tree.map(lambda x: _flat(x)[:total] if x.ndim > 1 else x.sum(), aux)
+
+
 def _diff_of(argnums: int, wrt: nnx.filterlib.Filter) -> Callable[..., bool]:
     """The filter of ``wrt``'s variables in argument ``argnums`` (paths start with it)."""
     selected = nnx.filterlib.to_predicate(wrt)
     return lambda path, x: path[0] == argnums and selected(path, x)
-
-
-def _joined(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Per-example leaves concatenated, scalar (already weighted) ones added."""
-    return jnp.concatenate([a, b]) if a.ndim else a + b
 
 
 def _rows(x: jax.Array, start: Any, size: int) -> jax.Array:
