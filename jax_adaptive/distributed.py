@@ -7,7 +7,7 @@ every process decide alike (docs/devices.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -27,6 +27,7 @@ __all__ = [
     "place",
     "process_any",
     "process_min",
+    "while_all",
 ]
 
 T = TypeVar("T")
@@ -150,6 +151,23 @@ def process_any(flag: bool) -> bool:
     return bool(_gather(int(bool(flag))).max())
 
 
+def while_all(items: Iterable[T]) -> Iterator[T]:
+    """Yields ``items`` while every process has a next one (every process must iterate).
+
+    A stream that ends on one process ends on all, none waiting in a collective.
+
+    Examples:
+        >>> list(while_all(iter([1, 2])))  # one process
+        [1, 2]
+    """
+    iterator, end = iter(items), object()
+    while True:
+        item = next(iterator, end)
+        if process_any(item is end):
+            return
+        yield item  # type: ignore[misc]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding that keeps a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
@@ -178,11 +196,15 @@ class Placement:
     With a mesh, each micro-batch is split over ``data_axis`` and ``param_sharding`` gives
     ``PartitionSpec`` s for (a prefix of) the parameters. ``device`` becomes this process's
     first device, ``shards`` the number of data shards, ``everywhere`` the replicated
-    sharding and ``data`` the micro-batch's (None without a mesh).
+    sharding and ``data`` the micro-batch's (None without a mesh). ``processes`` counts
+    those whose devices the mesh spans: each passes its own share of every batch, unless
+    ``global_batches`` (every process passes the whole batch; ``processes`` is then 1).
 
     Examples:
         >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
         (1, True)
+        >>> Placement(mesh=data_mesh()).share(64)  # one process passes the whole batch
+        64
     """
 
     def __init__(
@@ -191,9 +213,18 @@ class Placement:
         mesh: Mesh | None = None,
         data_axis: str = "data",
         param_sharding: Any = None,
+        global_batches: bool = False,
     ):
         self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
         self.shards = self._check(device)
+        self.processes = 1
+        if mesh is not None and not global_batches:
+            self.processes = len({d.process_index for d in mesh.devices.flat})
+            if self.shards % self.processes:
+                raise ValueError(
+                    f"the {self.shards} data shards must divide over the {self.processes} "
+                    "processes the mesh spans, each passing its own rows."
+                )
         if mesh is None:
             self.device = device or jax.local_devices()[0]
             self.everywhere: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -239,14 +270,46 @@ class Placement:
         model_state = jax.tree.map(lambda _: full, state.model_state)
         return type(state)(params, opt, model_state, full)
 
+    def share(self, T: int) -> int:
+        """The rows of a batch of ``T`` this process passes: ``T / processes``."""
+        if T % self.processes:
+            raise ValueError(
+                f"target_batch_size={T} must divide over the {self.processes} processes, "
+                "each passing an equal share of every batch."
+            )
+        return T // self.processes
+
+    def check_share(self, size: int, T: int) -> None:
+        """Raises on every process unless each passed its `share` of ``T`` (all must call it)."""
+        if self.processes == 1:
+            return
+        counts, share = _gather(size).tolist(), self.share(T)
+        if any(count != share for count in counts):
+            raise ValueError(
+                f"each of the {self.processes} processes passes target_batch_size / processes "
+                f"= {T} / {self.processes} = {share} examples, but they passed {counts} "
+                "(in process order)."
+            )
+
     def micro_batch(self, tree: Any, split: int = 1) -> Any:
         """A micro-batch split over the data axis, or a chunk of ``split`` as ``[split, m, ...]``.
 
-        Without a mesh, host arrays go as they are: the program's call transfers them faster.
+        With several `processes`, ``tree`` holds this process's rows only and the global
+        array is assembled from every process's. Without a mesh, host arrays go as they
+        are: the program's call transfers them faster.
         """
         if self.data is None:
             return tree
-        if split == 1:
-            return place(tree, self.data)
-        rows = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
-        return place(jax.tree.map(lambda x: x.reshape(split, -1, *x.shape[1:]), tree), rows)
+        sharding, axis = self.data, 0
+        if split > 1:
+            sharding, axis = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis)), 1
+            tree = jax.tree.map(lambda x: x.reshape(split, -1, *x.shape[1:]), tree)
+        if self.processes == 1:
+            return place(tree, sharding)
+
+        def assembled(rows: Any) -> jax.Array:
+            shape = list(np.shape(rows))
+            shape[axis] *= self.processes
+            return jax.make_array_from_process_local_data(sharding, np.asarray(rows), tuple(shape))
+
+        return jax.tree.map(assembled, tree)

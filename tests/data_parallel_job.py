@@ -2,9 +2,11 @@
 
 ``python data_parallel_job.py mesh OUT.json`` trains on 8 CPU devices;
 ``python data_parallel_job.py process ID PORT OUT.json`` is one of two ``jax.distributed``
-processes on localhost (2 CPU devices each, gloo collectives). Each writes its figures
-and the final parameters next to an independent single-device reference (plain optax,
-one full-batch step per update) for the test to compare. The device count is set before
+processes on localhost (2 CPU devices each, gloo collectives) passing global batches;
+``local ID PORT OUT.json`` one of two with 4 devices each, each reading only its own
+rows. Each writes its figures and the final parameters next to an independent
+single-device reference (plain optax, one full-batch step per update) for the test to
+compare. The device count is set before
 JAX starts, which is why these run apart from the test process (DESIGN.md).
 """
 
@@ -12,7 +14,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    devices = 8 if sys.argv[1] == "mesh" else 2
+    devices = {"mesh": 8, "process": 2, "local": 4}[sys.argv[1]]
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -132,11 +134,69 @@ def process_job(process_id, port, out):
     limit = 80_000 if process_id == 0 else 60_000
     faults = {3} if process_id == 0 else ()
     _, _, run = train(
-        params, batches, memory_limit=limit, mesh=ja.data_mesh(), faults=faults, loss=counted_loss
-    )
+        params, batches, memory_limit=limit, mesh=ja.data_mesh(), faults=faults,
+        loss=counted_loss, global_batches=True,
+    )  # fmt: skip
     run["runs"] = RUNS[0] // jax.local_device_count()
     run["reference"] = host(reference(params, batches))
     run["devices"] = jax.device_count()
+    with open(out, "w") as f:
+        json.dump(run, f)
+    jax.distributed.shutdown()
+
+
+def local_job(process_id, port, out):
+    """Each process reads only its half of every target batch, through `fit`.
+
+    Process ``p``'s rows of an update are rows ``[p * T/2, (p + 1) * T/2)`` of the
+    reference's full batch: the concatenation of the processes' rows, in process order.
+    """
+    import jax_adaptive as ja
+    from jax_adaptive.testing import inject_oom
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    params, batches = problem()
+    share, read = T // 2, [0]
+
+    def loader(updates):  # this process's rows, 25 at a time, counted as they are read
+        for batch in batches[:updates]:
+            for start in range(process_id * share, (process_id + 1) * share, 25):
+                read[0] += 25
+                yield {k: v[start : start + 25] for k, v in batch.items()}
+
+    trainer = ja.AdaptiveTrainer(
+        counted_loss, OPTIMIZER, target_batch_size=T, plan_cache=False, objective="max",
+        memory_limit=60_000 if process_id == 0 else 80_000, mesh=ja.data_mesh(),
+    )  # fmt: skip
+    state = trainer.init(params, batches[0])
+    planned = trainer.micro_batch_size
+    # Only process 0 runs out of memory, inside its second micro-step's run.
+    with inject_oom(trainer, executions={2} if process_id == 0 else ()) as injector:
+        state, history = trainer.fit(state, loader(UPDATES), read_ahead=0)
+    errors = []
+    wrong = {k: v[: share - 10 * process_id] for k, v in batches[0].items()}
+    try:  # the processes pass different counts: both refuse, in one line, none hangs
+        trainer.step(state, wrong)
+    except ValueError as exc:
+        errors.append(str(exc))
+    # Process 1's stream is empty: both stop at once, none waits for the other.
+    short = [{k: v[:share] for k, v in batches[0].items()}] if process_id == 0 else []
+    _, after_end = trainer.fit(state, short)
+    run = {
+        "planned": planned,
+        "process_batch_size": trainer.process_batch_size,
+        "sizes": [int(h["micro_batch_size"]) for h in history],
+        "examples": [int(h["examples"]) for h in history],
+        "read": read[0],
+        "injected": injector.injected,
+        "runs": RUNS[0] // jax.local_device_count(),
+        "errors": errors,
+        "updates_after_end": len(after_end),
+        "params": host(state.params),
+        "reference": host(reference(params, batches)),
+        "devices": jax.device_count(),
+    }
     with open(out, "w") as f:
         json.dump(run, f)
     jax.distributed.shutdown()
@@ -146,4 +206,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "mesh":
         mesh_job(sys.argv[2])
     else:
-        process_job(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        job = process_job if sys.argv[1] == "process" else local_job
+        job(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

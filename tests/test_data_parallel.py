@@ -1,5 +1,7 @@
 """Data parallel over 8 CPU devices, and two jax.distributed processes, against one device.
 
+The processes pass global batches (``global_batches=True``), or each only its own rows.
+
 Both run in subprocesses (the device count is fixed when JAX starts; see
 data_parallel_job.py) and compare with plain optax, one full-batch step per update, on
 a single device.
@@ -39,10 +41,10 @@ def _wait(proc_timeout):
     assert proc.returncode == 0, out[-3000:]
 
 
-def _assert_equal(params, reference):
+def _assert_equal(params, reference, tol=TOL):
     assert params.keys() == reference.keys()
     for name in params:
-        np.testing.assert_allclose(params[name], reference[name], rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(params[name], reference[name], rtol=tol, atol=tol)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +85,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_agree_and_shrink_together(tmp_path):
+def _two_processes(job, tmp_path):
+    """Runs ``job`` as two jax.distributed processes on localhost; their JSON results."""
     port = _free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
-    procs = [_run("process", i, port, out, timeout=300) for i, out in enumerate(outs)]
+    procs = [_run(job, i, port, out, timeout=300) for i, out in enumerate(outs)]
     try:
         for proc in procs:
             _wait(proc)
@@ -95,7 +98,11 @@ def test_two_processes_agree_and_shrink_together(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    first, second = (json.loads(out.read_text()) for out in outs)
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def test_two_processes_agree_and_shrink_together(tmp_path):
+    first, second = _two_processes("process", tmp_path)
     assert first["devices"] == second["devices"] == 4
     # Different capacities: each found its own size, and both use the smaller.
     assert first["searched"] > second["searched"]
@@ -113,3 +120,30 @@ def test_two_processes_agree_and_shrink_together(tmp_path):
     assert first["sizes"][-1] < first["planned"]
     _assert_equal(first["params"], first["reference"])
     _assert_equal(second["params"], first["params"])
+
+
+def test_each_process_reads_only_its_own_rows(tmp_path):
+    first, second = _two_processes("local", tmp_path)
+    assert first["devices"] == second["devices"] == 8
+    share = 50  # T = 100 over 2 processes
+    assert first["process_batch_size"] == second["process_batch_size"] == share
+    # Each loader yielded only its process's rows: T / 2 per update, 3 updates.
+    assert first["read"] == second["read"] == 3 * share
+    assert first["examples"] == second["examples"] == [100] * 3
+    # The processes found different sizes and use the smaller; neither divides the share.
+    assert first["planned"] == second["planned"]
+    assert (first["planned"] // 2) and share % (first["planned"] // 2)
+    # Only process 0 ran out of memory, inside a running micro-step; process 1 ran that
+    # micro-step to its end, then both shrank at the same micro-step.
+    assert first["injected"] and not second["injected"]
+    assert second["runs"] == first["runs"] + 1
+    assert first["sizes"] == second["sizes"]
+    assert first["sizes"][0] < first["planned"] and all(s % 8 == 0 for s in first["sizes"])
+    assert all(share % (s // 2) for s in first["sizes"])
+    # Exact against one device on the concatenation of the processes' rows.
+    _assert_equal(first["params"], first["reference"], tol=1e-5)
+    _assert_equal(second["params"], first["params"], tol=1e-5)
+    # Different counts are refused in one line on both; a stream ending on one ends both.
+    assert first["errors"] == second["errors"]
+    assert first["errors"][0].endswith("but they passed [50, 40] (in process order).")
+    assert first["updates_after_end"] == second["updates_after_end"] == 0
