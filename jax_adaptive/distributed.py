@@ -24,6 +24,7 @@ __all__ = [
     "agreed",
     "data_mesh",
     "host_copy",
+    "local_copy",
     "place",
     "process_any",
     "process_min",
@@ -121,6 +122,27 @@ def host_copy(tree: Any) -> Any:
             return np.asarray(leaf.addressable_shards[0].data)
         pieces = {LocalShards.key(s.index): np.asarray(s.data) for s in leaf.addressable_shards}
         return LocalShards(leaf.shape, pieces)
+
+    return jax.tree.map(one, tree)
+
+
+def local_copy(tree: Any, device: jax.Device) -> Any:
+    """``tree`` on ``device``, arrays replicated over other processes' devices included.
+
+    Examples:
+        >>> local_copy({"w": jax.numpy.ones(2)}, jax.devices()[0])["w"].devices()
+        {CpuDevice(id=0)}
+    """
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            if not leaf.is_fully_replicated:
+                raise ValueError(
+                    f"an array of shape {leaf.shape} sharded over several processes has no "
+                    "whole copy on this one; evaluate with replicated parameters."
+                )
+            leaf = leaf.addressable_shards[0].data  # this process's whole copy
+        return jax.device_put(leaf, device)
 
     return jax.tree.map(one, tree)
 

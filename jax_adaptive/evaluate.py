@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_adaptive import checks
 from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
+from jax_adaptive.distributed import local_copy
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import least_padding_size
@@ -383,8 +384,8 @@ class TrainerEvaluations:
         """``metric_fn``'s means over ``data`` (or its outputs), the state counted as live."""
         evaluator = self.evaluator(metric_fn)
         params = (state.params, state.model_state) if self.has_state else state.params
-        if self.mesh is not None:
-            params = jax.device_put(params, self.device)
+        if self.mesh is not None:  # evaluated on this process's device, on all of ``data``
+            params = local_copy(params, self.device)
         run = evaluator.predict if predict else evaluator.evaluate
         return run(params, data, resident=state)
 

@@ -100,7 +100,7 @@ def _image_line(line: dict[str, Any]) -> str:
 
 def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
     source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
-    example = next(ShuffledBatches(source, 1))
+    example = jax.tree.map(lambda x: np.asarray(x)[None], source[0])  # its shapes
     model = image_model(config, source.num_classes, source[0])
     variables = model.module.init(
         jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
@@ -161,7 +161,10 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         compiles=lambda: trainer.compiles, workdir=workdir, out=out,
         evaluate=evaluate if held_out is not None else None,
     )  # fmt: skip
-    batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
+    batches = ShuffledBatches(
+        source, trainer.target_batch_size, seed=config.seed, start=position,
+        shard=(jax.process_index(), jax.process_count()),
+    )  # fmt: skip
     hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
     lines, evaluated = hooks.lines, [line for line in hooks.lines if "eval_loss" in line]
     return {
