@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_adaptive.errors import PeerOutOfMemory, catch_oom
 
 __all__ = [
+    "Agreement",
     "LocalShards",
     "Placement",
     "agreed",
@@ -161,6 +162,29 @@ def process_min(value: int) -> int:
         7
     """
     return int(_gather(int(value)).min())
+
+
+class Agreement:
+    """The size every process plans from: the smallest any found (every process must call it).
+
+    Attributes:
+        found: what each process found at the last call, in process order, when they
+            differ; else None.
+
+    Examples:
+        >>> agree = Agreement()
+        >>> agree(48), agree.found  # one process
+        (48, None)
+    """
+
+    def __init__(self) -> None:
+        self.found: tuple[int, ...] | None = None
+
+    def __call__(self, size: int) -> int:
+        """The smallest ``size`` over the processes; each one's is kept in `found`."""
+        found = tuple(int(s) for s in _gather(int(size)))
+        self.found = found if len(set(found)) > 1 else None
+        return min(found)
 
 
 def process_any(flag: bool) -> bool:

@@ -12,7 +12,7 @@ import optax
 
 from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
-from jax_adaptive.distributed import Placement, place, process_min, while_all
+from jax_adaptive.distributed import Agreement, Placement, place, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.loop import fit_loop
@@ -124,7 +124,7 @@ class AdaptiveTrainer:
         self._sizing = sizing or Sizing(
             "micro-step of", memory_limit=memory_limit, headroom=headroom,
             device=self.placement.device, plan_cache=PlanCache.from_arg(plan_cache),
-            oom_retries=oom_retries, agree=process_min,
+            oom_retries=oom_retries, agree=Agreement(),
         )  # fmt: skip
         self._executables = Executables(
             checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, self._sizing,

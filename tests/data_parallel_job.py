@@ -170,7 +170,7 @@ def local_job(process_id, port, out):
         memory_limit=60_000 if process_id == 0 else 80_000, mesh=ja.data_mesh(),
     )  # fmt: skip
     state = trainer.init(params, batches[0])
-    planned = trainer.micro_batch_size
+    planned, plan = trainer.micro_batch_size, trainer.plan_info
     # Only process 0 runs out of memory, inside its second micro-step's run.
     with inject_oom(trainer, executions={2} if process_id == 0 else ()) as injector:
         state, history = trainer.fit(state, loader(UPDATES), read_ahead=0)
@@ -185,6 +185,8 @@ def local_job(process_id, port, out):
     _, after_end = trainer.fit(state, short)
     run = {
         "planned": planned,
+        "found": plan.found,
+        "plan": str(plan),
         "process_batch_size": trainer.process_batch_size,
         "sizes": [int(h["micro_batch_size"]) for h in history],
         "examples": [int(h["examples"]) for h in history],

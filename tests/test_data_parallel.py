@@ -89,7 +89,7 @@ def _two_processes(job, tmp_path):
     """Runs ``job`` as two jax.distributed processes on localhost; their JSON results."""
     port = _free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
-    procs = [_run(job, i, port, out, timeout=300) for i, out in enumerate(outs)]
+    procs = [_run(job, i, port, out, timeout=180) for i, out in enumerate(outs)]
     try:
         for proc in procs:
             _wait(proc)
@@ -132,6 +132,10 @@ def test_each_process_reads_only_its_own_rows(tmp_path):
     assert first["examples"] == second["examples"] == [100] * 3
     # The processes found different sizes and use the smaller; neither divides the share.
     assert first["planned"] == second["planned"]
+    (own, peer), planned = first["found"], first["planned"]  # process 0's device is smaller
+    assert planned == own < peer and first["found"] == second["found"]
+    said = f"process 0 bound it at {own}; the others could have gone to {peer} (process 1, "
+    assert f"{said}+{peer - own})" in first["plan"] and f"{said}+{peer - own})" in second["plan"]
     assert (first["planned"] // 2) and share % (first["planned"] // 2)
     # Only process 0 ran out of memory, inside a running micro-step; process 1 ran that
     # micro-step to its end, then both shrank at the same micro-step.

@@ -75,6 +75,7 @@ def _plan_line(
            if trainer.shards > 1 else "")
         + (f" (largest that fits: {largest})"
            if largest not in (None, trainer.micro_batch_size) else "")
+        + (f" ({bound})" if (bound := trainer.plan_info.bound()) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
         + (f"; BatchNorm over ghost batches of {ghost}" if ghost else "")
