@@ -28,6 +28,7 @@ __all__ = [
     "local_copy",
     "place",
     "process_any",
+    "process_means",
     "process_min",
     "while_all",
 ]
@@ -185,6 +186,25 @@ class Agreement:
         found = tuple(int(s) for s in _gather(int(size)))
         self.found = found if len(set(found)) > 1 else None
         return min(found)
+
+
+def process_means(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`jax_adaptive.Evaluator.evaluate`'s means over every process's examples together.
+
+    Each process passes its own ``{name: mean, ..., "examples": n}`` (every one must call it).
+
+    Examples:
+        >>> process_means({"loss": 0.5, "examples": 4})  # one process
+        {'loss': 0.5, 'examples': 4}
+    """
+    if jax.process_count() == 1:
+        return metrics
+    count = metrics["examples"]
+    sums = {k: np.asarray(v, np.float32) * count for k, v in metrics.items() if k != "examples"}
+    sums, counts = multihost_utils.process_allgather((sums, np.int32(count)))
+    total = int(np.sum(counts))
+    means = {k: np.sum(v, axis=0) / total for k, v in sums.items()}
+    return {**{k: float(m) if np.ndim(m) == 0 else m for k, m in means.items()}, "examples": total}
 
 
 def process_any(flag: bool) -> bool:

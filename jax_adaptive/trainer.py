@@ -142,7 +142,7 @@ class AdaptiveTrainer:
         self._evaluations = TrainerEvaluations(
             has_state=has_state, device=self.device, mesh=self.mesh,
             limit=lambda: self.memory_limit, headroom=self.headroom,
-            plan_cache=self.plan_cache,
+            plan_cache=self.plan_cache, processes=self.placement.processes,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- what it holds
@@ -340,7 +340,9 @@ class AdaptiveTrainer:
 
         Args:
             state: the `TrainState` (left as it is).
-            data: one batch of all the examples, or a stream of batches (read once).
+            data: one batch of all the examples, or a stream of batches (read once);
+                under ``jax.distributed`` this process's examples (the means are over
+                every process's; with ``predict``, its own outputs).
             metric_fn: ``(params, batch) -> {name: per-example values}``; with
                 ``has_state`` ``(params, model_state, batch)``.
             predict: return every example's outputs (any pytree) instead of the means.

@@ -174,6 +174,11 @@ def local_job(process_id, port, out):
     # Only process 0 runs out of memory, inside its second micro-step's run.
     with inject_oom(trainer, executions={2} if process_id == 0 else ()) as injector:
         state, history = trainer.fit(state, loader(UPDATES), read_ahead=0)
+    # Each process evaluates its own rows of a held-out batch; the means are over all.
+    held_out = regression_batches(1, 30, 7, D_IN, LENGTH)[0]
+    own = {k: v[process_id * 10 : 10 + process_id * 20] for k, v in held_out.items()}
+    metric = lambda p, b: {"loss": mlp_loss(p, b, None)}  # noqa: E731
+    evaluated = trainer.evaluate(state, own, metric)
     errors = []
     wrong = {k: v[: share - 10 * process_id] for k, v in batches[0].items()}
     try:  # the processes pass different counts: both refuse, in one line, none hangs
@@ -183,6 +188,7 @@ def local_job(process_id, port, out):
     # Process 1's stream is empty: both stop at once, none waits for the other.
     short = [{k: v[:share] for k, v in batches[0].items()}] if process_id == 0 else []
     _, after_end = trainer.fit(state, short)
+    host_state = jax.tree.map(lambda x: x.addressable_shards[0].data, state.params)
     run = {
         "planned": planned,
         "found": plan.found,
@@ -195,6 +201,8 @@ def local_job(process_id, port, out):
         "runs": RUNS[0] // jax.local_device_count(),
         "errors": errors,
         "updates_after_end": len(after_end),
+        "evaluated": evaluated,
+        "evaluated_reference": float(mlp_loss(host_state, held_out, None).mean()),
         "params": host(state.params),
         "reference": host(reference(params, batches)),
         "devices": jax.device_count(),

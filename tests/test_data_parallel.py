@@ -151,3 +151,7 @@ def test_each_process_reads_only_its_own_rows(tmp_path):
     assert first["errors"] == second["errors"]
     assert first["errors"][0].endswith("but they passed [50, 40] (in process order).")
     assert first["updates_after_end"] == second["updates_after_end"] == 0
+    # Process 0 evaluated 10 held-out rows, process 1 the other 20: the mean is over 30.
+    for run in (first, second):
+        assert run["evaluated"]["examples"] == 30
+        np.testing.assert_allclose(run["evaluated"]["loss"], first["evaluated_reference"], 1e-5)

@@ -75,7 +75,7 @@ def test_two_processes_read_an_epoch_once_and_resume_after_a_kill(tmp_path):
     assert len(lines) == 9 and not [t for t in texts[1].splitlines() if t.startswith("update")]
     metrics = [json.loads(m) for m in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [m["update"] for m in metrics] == list(range(1, 9))
-    assert metrics[3]["eval_examples"] == 1024  # held out, on each process's own device
+    assert metrics[3]["eval_examples"] == 1024  # each process evaluated its 512
     # Killed (each process, SIGKILL) once checkpoint 4 is written, then resumed.
     status, texts, _ = _two_processes(tmp_path, "killed", *flags, "--workdir", killed, kill_at=4)
     assert status == [-9, -9], texts

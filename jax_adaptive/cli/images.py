@@ -127,6 +127,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     held_out = None
     if config.eval_every:
         held_out = load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
+        n, p, P = len(held_out["label"]), jax.process_index(), jax.process_count()
+        held_out = {k: v[n * p // P : n * (p + 1) // P] for k, v in held_out.items()}  # its own
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
