@@ -236,7 +236,8 @@ class BucketedTrainer:
     ``[m, *bucket, ...]`` and ``mask_key``. ``buckets`` are lengths (`pow2_buckets`) or
     shapes; give ``target_tokens`` (padded positions per update) or ``target_batch_size``.
     ``weighting``: ``"token"``, ``"example"`` or ``"none"``. The other keyword arguments
-    go to each bucket's `AdaptiveTrainer`, which all share one sizing engine.
+    go to each bucket's `AdaptiveTrainer`, which all share one sizing engine. Under
+    ``jax.distributed`` every process passes the same sequences (``global_batches``).
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -281,6 +282,13 @@ class BucketedTrainer:
             raise ValueError(f"{weighting=} must be 'token', 'example' or 'none'.")
         if "has_aux" in trainer_kwargs or "has_state" in trainer_kwargs:
             raise ValueError("BucketedTrainer takes a plain per-sequence loss (no aux, no state).")
+        # Under jax.distributed every process passes the same sequences: its buckets fill
+        # alike, and a token's weight needs no other process's count.
+        if not trainer_kwargs.setdefault("global_batches", True):
+            raise ValueError(
+                "global_batches=False is not for BucketedTrainer: under jax.distributed "
+                "every process passes it the same sequences."
+            )
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.buckets, self.weighting, self.mask_key = buckets, weighting, mask_key
         self.target_tokens, self.target_batch_size = target_tokens, target_batch_size

@@ -248,9 +248,9 @@ class Updater:
         With several processes, each holds its share of those rows: ``start`` and ``n``
         (multiples of the data shards, or ``T``) count them over all processes.
         """
-        share = self.placement.processes
-        start, n = start // share, n // share
-        if start == 0 and n == self.T // share:
+        P = self.placement.processes
+        start, n = start // P, n // P
+        if start == 0 and n == self.T // P:
             return batch  # the whole batch: nothing to cut
         piece = next(micro_batches(batch, n, start=start))
         examples, weights = piece.batch
