@@ -263,8 +263,9 @@ class Placement:
     ``PartitionSpec`` s for (a prefix of) the parameters. ``device`` becomes this process's
     first device, ``shards`` the number of data shards, ``everywhere`` the replicated
     sharding and ``data`` the micro-batch's (None without a mesh). ``processes`` counts
-    those whose devices the mesh spans: each passes its own share of every batch, unless
-    ``global_batches`` (every process passes the whole batch; ``processes`` is then 1).
+    those among which the data shards are split, each holding a block of them: each
+    passes its own share of every batch, unless ``global_batches`` (every process passes
+    the whole batch; ``processes`` is then 1).
 
     Examples:
         >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
@@ -284,13 +285,15 @@ class Placement:
         self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
         self.shards = self._check(device)
         self.processes = 1
-        if mesh is not None and not global_batches:
-            self.processes = len({d.process_index for d in mesh.devices.flat})
-            if self.shards % self.processes:
+        if mesh is not None and not global_batches:  # the blocks of rows the processes hold
+            axis, own = mesh.axis_names.index(data_axis), jax.process_index()
+            rows = {i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == own}
+            if len(rows) != max(rows, default=-1) - min(rows, default=0) + 1:
                 raise ValueError(
-                    f"the {self.shards} data shards must divide over the {self.processes} "
-                    "processes the mesh spans, each passing its own rows."
+                    f"this process's devices hold data shards {sorted(rows)} of the mesh: "
+                    "they must be consecutive, or pass global_batches=True."
                 )
+            self.processes = self.shards // max(len(rows), 1)
         if mesh is None:
             self.device = device or jax.local_devices()[0]
             self.everywhere: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)

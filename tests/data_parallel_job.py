@@ -188,6 +188,12 @@ def local_job(process_id, port, out):
     # Process 1's stream is empty: both stop at once, none waits for the other.
     short = [{k: v[:share] for k, v in batches[0].items()}] if process_id == 0 else []
     _, after_end = trainer.fit(state, short)
+    # The processes split a mesh's data shards in blocks, or hold them all (then every
+    # process passes the whole batch).
+    from jax_adaptive.distributed import Placement
+
+    grid = np.array(jax.devices()).reshape(2, 4)  # a row of 4 devices per process
+    splits = [Placement(mesh=Mesh(d, ("data", "model"))).processes for d in (grid, grid.T)]
     host_state = jax.tree.map(lambda x: x.addressable_shards[0].data, state.params)
     run = {
         "planned": planned,
@@ -201,6 +207,7 @@ def local_job(process_id, port, out):
         "runs": RUNS[0] // jax.local_device_count(),
         "errors": errors,
         "updates_after_end": len(after_end),
+        "splits": splits,
         "evaluated": evaluated,
         "evaluated_reference": float(mlp_loss(host_state, held_out, None).mean()),
         "params": host(state.params),

@@ -151,6 +151,9 @@ def test_each_process_reads_only_its_own_rows(tmp_path):
     assert first["errors"] == second["errors"]
     assert first["errors"][0].endswith("but they passed [50, 40] (in process order).")
     assert first["updates_after_end"] == second["updates_after_end"] == 0
+    # A data axis of 2 shards, one per process, splits the rows; one of 4 whose every
+    # shard has a device on each process does not: each passes the whole batch.
+    assert first["splits"] == second["splits"] == [2, 1]
     # Process 0 evaluated 10 held-out rows, process 1 the other 20: the mean is over 30.
     for run in (first, second):
         assert run["evaluated"]["examples"] == 30
