@@ -24,12 +24,14 @@ __all__ = [
     "Placement",
     "agreed",
     "data_mesh",
+    "first_ready_everywhere",
     "host_copy",
     "local_copy",
     "place",
     "process_any",
     "process_means",
     "process_min",
+    "process_sum",
     "while_all",
 ]
 
@@ -205,6 +207,33 @@ def process_means(metrics: dict[str, Any]) -> dict[str, Any]:
     total = int(np.sum(counts))
     means = {k: np.sum(v, axis=0) / total for k, v in sums.items()}
     return {**{k: float(m) if np.ndim(m) == 0 else m for k, m in means.items()}, "examples": total}
+
+
+def process_sum(value: int) -> int:
+    """The sum of ``value`` over all processes (every process must call it).
+
+    Examples:
+        >>> process_sum(7)  # one process
+        7
+    """
+    return int(_gather(int(value)).sum())
+
+
+def first_ready_everywhere(ready: Sequence[bool], done: bool) -> tuple[int | None, bool]:
+    """The first index ``ready`` on every process (None: none is), and whether all are ``done``.
+
+    Every process must call it, with as many flags.
+
+    Examples:
+        >>> first_ready_everywhere([False, True, True], False)  # one process
+        (1, False)
+    """
+    flags = np.array([*ready, done], np.int32)
+    if jax.process_count() > 1:
+        flags = np.asarray(multihost_utils.process_allgather(flags))
+    flags = flags.reshape(-1, len(ready) + 1)
+    common = flags[:, :-1].all(axis=0)
+    return (int(np.argmax(common)) if common.any() else None), bool(flags[:, -1].all())
 
 
 def process_any(flag: bool) -> bool:

@@ -14,7 +14,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    devices = {"mesh": 8, "process": 2, "local": 4}[sys.argv[1]]
+    devices = {"mesh": 8, "process": 2, "local": 4, "buckets": 2}[sys.argv[1]]
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -219,9 +219,60 @@ def local_job(process_id, port, out):
     jax.distributed.shutdown()
 
 
+def buckets_job(process_id, port, out):
+    """Each process buckets its own sequences; every update equals one device's on both."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    import jax_adaptive as ja
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    rng = np.random.default_rng(10 + process_id)  # each process its own lengths
+    sequences = [{"x": rng.normal(size=(n, 3)).astype(np.float32)} for n in rng.integers(1, 9, 40)]
+
+    def loss_fn(params, batch, rng):  # summed over each sequence's real tokens
+        return jnp.sum(batch["mask"] * (batch["x"] @ params - 1.0) ** 2, axis=1)
+
+    trainer = ja.BucketedTrainer(
+        loss_fn, OPTIMIZER, buckets=(4, 8), target_tokens=96, mesh=ja.data_mesh(),
+        micro_batch_size=8, plan_cache=False,
+    )  # fmt: skip
+    trained, step = [], trainer.step
+
+    def recorded(state, batch):
+        trained.append(batch)
+        return step(state, batch)
+
+    trainer.step = recorded
+    params = jnp.zeros(3)
+    state, history = trainer.fit(trainer.init(params, sequences[0]), sequences)
+    # Each update's examples: both processes' rows, in process order, on one device.
+    opt_state, reference = OPTIMIZER.init(params), params
+    for batch in trained:
+        whole = multihost_utils.process_allgather(batch.batch, tiled=True)
+        whole = jax.device_put(whole, jax.local_devices()[0])
+
+        def mean(p, whole=whole):
+            return jnp.sum(loss_fn(p, whole, None)) / jnp.sum(whole["mask"])
+
+        updates, opt_state = OPTIMIZER.update(jax.grad(mean)(reference), opt_state, reference)
+        reference = optax.apply_updates(reference, updates)
+    params = np.asarray(state.params.addressable_shards[0].data)
+    run = {
+        "buckets": [int(h["bucket"]) for h in history],
+        "rows": [len(b.batch["mask"]) for b in trained],
+        "tokens": [int(h["tokens"]) for h in history],
+        "difference": float(np.max(np.abs(params - np.asarray(reference)))),
+    }
+    with open(out, "w") as f:
+        json.dump(run, f)
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "mesh":
         mesh_job(sys.argv[2])
     else:
-        job = process_job if sys.argv[1] == "process" else local_job
-        job(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        jobs = {"process": process_job, "local": local_job, "buckets": buckets_job}
+        jobs[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -158,3 +158,14 @@ def test_each_process_reads_only_its_own_rows(tmp_path):
     for run in (first, second):
         assert run["evaluated"]["examples"] == 30
         np.testing.assert_allclose(run["evaluated"]["loss"], first["evaluated_reference"], 1e-5)
+
+
+def test_each_process_buckets_its_own_sequences(tmp_path):
+    first, second = _two_processes("buckets", tmp_path)
+    # The same bucket at every update on both, each process passing half of its examples
+    # (96 tokens: 24 sequences of bucket 4, 12 of bucket 8), until no bucket fills on both.
+    assert first["buckets"] == second["buckets"] and len(set(first["buckets"])) == 2
+    assert first["rows"] == second["rows"] == [96 // b // 2 for b in first["buckets"]]
+    assert first["tokens"] == second["tokens"]  # real tokens over both processes
+    # Each update equals one device's on both processes' rows: a token weighs the same.
+    assert first["difference"] < 1e-6 and second["difference"] < 1e-6
