@@ -8,13 +8,13 @@ a single device.
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import free_port
 
 JOB = Path(__file__).with_name("data_parallel_job.py")
 TOL = 2e-5
@@ -79,15 +79,9 @@ def test_user_sharded_parameters_and_their_optimizer_state(mesh_result):
     _assert_equal(sharded["params"], mesh_result["reference"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(job, tmp_path):
     """Runs ``job`` as two jax.distributed processes on localhost; their JSON results."""
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     procs = [_run(job, i, port, out, timeout=180) for i, out in enumerate(outs)]
     try:

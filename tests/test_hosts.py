@@ -5,7 +5,6 @@ pair of runs is killed (SIGKILL, each process) after a checkpoint and resumed.
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,20 +13,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import free_port
 
 JOB = Path(__file__).with_name("hosts_cli_job.py")
 EXAMPLES, T = 256, 64  # an epoch: 4 updates
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(tmp_path, name, *flags, kill_at=0):
     """Runs the command line as two processes; each one's exit status, output and reads."""
-    port, outs = _free_port(), [tmp_path / f"{name}{i}.json" for i in range(2)]
+    port, outs = free_port(), [tmp_path / f"{name}{i}.json" for i in range(2)]
     args = [[sys.executable, JOB, i, port, out, kill_at, *flags] for i, out in enumerate(outs)]
     procs = [
         subprocess.Popen(
