@@ -84,3 +84,20 @@ def test_two_processes_read_an_epoch_once_and_resume_after_a_kill(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     resumed = [json.loads(m) for m in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--distributed"], "--distributed trains an image model over every process's devices"),
+        (["--distributed", "localhost:1,2,2", "--data-parallel"], "with 0 <= ID < PROCESSES"),
+        (["--distributed", "--data-parallel", "--model", "gpt"], "--model gpt runs on one"),
+        (["--dataset", "synthetic:0"], "synthetic:N takes a positive count N"),
+    ],
+)
+def test_bad_distributed_flags_are_one_line(flags, said, capsys):
+    from jax_adaptive.cli.main import main
+
+    assert main([*flags, "--updates", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
