@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from jax_adaptive.checks import check_buckets
+from jax_adaptive.distributed import first_ready_everywhere, process_sum
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import MemoryModel, predict_line
 from jax_adaptive.plan import SizeTrial
@@ -162,13 +163,17 @@ def bucket_batches(
     mask_key: str = "mask",
     *,
     read_ahead: int = 0,
+    across_processes: bool = False,
 ) -> Iterator[BucketBatch]:
     """Groups a stream of examples (dicts of ``[len, ...]`` arrays) into padded batches.
 
     A bucket's batch is emitted once it holds ``sizes[bucket]`` examples, in order;
     ``read_ahead`` examples may be read in a background thread. What waits in the buckets,
     or was read ahead, stays with an iterator's stream when the generator is closed, for
-    its next reader; a list is read afresh (docs/buckets.md).
+    its next reader; a list is read afresh (docs/buckets.md). ``across_processes``: each
+    ``jax.distributed`` process reads its own stream, and a bucket's batch is emitted on
+    every process at once, once it is full on all (every process must iterate); all end
+    when no bucket is full on all and none can fill another.
 
     Examples:
         >>> stream = [{"t": np.ones(n)} for n in (3, 9, 4, 2, 12)]
@@ -181,7 +186,8 @@ def bucket_batches(
         [3]
     """
     iterator, left, keep = _LEFT.reader(examples)
-    return _bucketed(Feed(iterator, left, read_ahead), left, keep, sizes, mask_key)
+    feed = Feed(iterator, left, read_ahead)
+    return _bucketed(feed, left, keep, sizes, mask_key, across_processes)
 
 
 def _bucketed(
@@ -190,6 +196,7 @@ def _bucketed(
     keep: Callable[[], None],
     sizes: Mapping[Bucket, int],
     mask_key: str,
+    across: bool,
 ) -> Iterator[BucketBatch]:
     """`bucket_batches`' generator: what waits in ``left`` first, then ``feed``'s examples."""
     axes, buckets, waiting = len(_dims(next(iter(sizes)))), list(sizes), left.buckets
@@ -212,14 +219,36 @@ def _bucketed(
         keep()
         return BucketBatch(bucket, pad_to_bucket(batch, bucket, mask_key))
 
+    def add(example: Mapping[str, Any]) -> Bucket:
+        bucket = bucket_for(_shape(example, axes), buckets)
+        waiting.setdefault(bucket, []).append(example)
+        keep()
+        return bucket
+
+    def full() -> list[bool]:
+        return [len(waiting.get(b, ())) >= sizes[b] for b in buckets]
+
     try:
+        exhausted, end = False, object()
+        while across:  # a round: the first bucket full on all, else each reads on
+            ready = full()
+            stuck = exhausted or all(ready)  # reading on cannot fill another bucket
+            index, all_stuck = first_ready_everywhere(ready, stuck)
+            if index is not None:
+                yield take(buckets[index])
+                continue
+            if all_stuck:
+                return
+            while not stuck and full() == ready:  # until one of its buckets fills
+                example = next(feed, end)
+                exhausted = stuck = example is end
+                if not exhausted:
+                    add(example)
         for bucket in list(waiting):
             while len(waiting.get(bucket, ())) >= sizes[bucket]:
                 yield take(bucket)
         for example in feed:
-            bucket = bucket_for(_shape(example, axes), buckets)
-            waiting.setdefault(bucket, []).append(example)
-            keep()
+            bucket = add(example)
             if len(waiting[bucket]) == sizes[bucket]:
                 yield take(bucket)
     finally:  # what was read ahead and not bucketed stays with the stream
@@ -236,7 +265,9 @@ class BucketedTrainer:
     ``[m, *bucket, ...]`` and ``mask_key``. ``buckets`` are lengths (`pow2_buckets`) or
     shapes; give ``target_tokens`` (padded positions per update) or ``target_batch_size``.
     ``weighting``: ``"token"``, ``"example"`` or ``"none"``. The other keyword arguments
-    go to each bucket's `AdaptiveTrainer`, which all share one sizing engine.
+    go to each bucket's `AdaptiveTrainer`, which all share one sizing engine. Under
+    ``jax.distributed`` each process passes its own sequences, its share of each update's
+    (`processes`; ``global_batches=True``: every process the same ones).
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -290,6 +321,7 @@ class BucketedTrainer:
         self.predict, self.trainer_kwargs = predict, trainer_kwargs
         self.axes = len(_dims(buckets[0]))
         self.trainers: dict[Bucket, AdaptiveTrainer] = {}
+        self.processes = 1  # the processes that each pass their share (decided at init)
         self.sizing: Sizing | None = None  # the buckets' one engine, once the first is made
         self.bucket_log: list[dict[str, Any]] = []  # one entry per bucket, in first use
         self._points: dict[tuple[int, int], int] = {}  # (positions, size) -> estimated bytes
@@ -330,16 +362,18 @@ class BucketedTrainer:
             self._planned(bucket, trainer, lambda e: trainer.plan(state, e))
         counts = np.asarray(self.count_tokens(padded))
         n, total = len(counts), int(counts.sum())
+        if self.processes > 1:  # a token weighs the same on every process
+            total = process_sum(total)
         if total <= 0:
             raise ValueError("the batch has no real tokens.")
         if self.weighting == "token":
-            weight = np.full(n, n / total, np.float32)
+            weight = np.full(n, n * self.processes / total, np.float32)
         elif self.weighting == "none":
             weight = np.ones(n, np.float32)
         else:
             weight = (1.0 / np.maximum(counts, 1)).astype(np.float32)
         state, metrics = trainer.step(state, padded, weights=weight)
-        padding = int(np.size(padded[self.mask_key]))
+        padding = int(np.size(padded[self.mask_key])) * self.processes
         return state, {**metrics, "bucket": bucket, "tokens": total, "padded_tokens": padding}
 
     def fit(
@@ -357,8 +391,11 @@ class BucketedTrainer:
         (``read_ahead`` counts sequences); the sequences read and not trained on stay with
         the stream's iterator.
         """
-        sizes = {bucket: self.examples_per_update(bucket) for bucket in self.buckets}
-        batches = bucket_batches(sequences, sizes, self.mask_key, read_ahead=read_ahead)
+        P = self.processes
+        sizes = {bucket: self.examples_per_update(bucket) // P for bucket in self.buckets}
+        batches = bucket_batches(
+            sequences, sizes, self.mask_key, read_ahead=read_ahead, across_processes=P > 1
+        )
         with contextlib.closing(batches):  # what was read ahead goes back to the stream
             return fit_loop(self.step, state, batches, num_updates, on_update=on_update)
 
@@ -388,7 +425,9 @@ class BucketedTrainer:
             sizing=self.sizing,  # one engine: one device, limit, plan cache and search log
             **self.trainer_kwargs,
         )
-        self.sizing = trainer.sizing
+        self.sizing, self.processes = trainer.sizing, trainer.placement.processes
+        for bucket in self.buckets:  # each update's examples divide over the processes
+            trainer.placement.share(self.examples_per_update(bucket))
         return trainer
 
     def _planned(

@@ -7,7 +7,7 @@ every process decide alike (docs/devices.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -19,14 +19,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_adaptive.errors import PeerOutOfMemory, catch_oom
 
 __all__ = [
+    "Agreement",
     "LocalShards",
     "Placement",
     "agreed",
     "data_mesh",
+    "first_ready_everywhere",
     "host_copy",
+    "local_copy",
     "place",
     "process_any",
+    "process_means",
     "process_min",
+    "process_sum",
+    "while_all",
 ]
 
 T = TypeVar("T")
@@ -124,6 +130,27 @@ def host_copy(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def local_copy(tree: Any, device: jax.Device) -> Any:
+    """``tree`` on ``device``, arrays replicated over other processes' devices included.
+
+    Examples:
+        >>> local_copy({"w": jax.numpy.ones(2)}, jax.devices()[0])["w"].devices()
+        {CpuDevice(id=0)}
+    """
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            if not leaf.is_fully_replicated:
+                raise ValueError(
+                    f"an array of shape {leaf.shape} sharded over several processes has no "
+                    "whole copy on this one; evaluate with replicated parameters."
+                )
+            leaf = leaf.addressable_shards[0].data  # this process's whole copy
+        return jax.device_put(leaf, device)
+
+    return jax.tree.map(one, tree)
+
+
 def _gather(value: int) -> np.ndarray:
     if jax.process_count() == 1:
         return np.array([value])
@@ -140,6 +167,75 @@ def process_min(value: int) -> int:
     return int(_gather(int(value)).min())
 
 
+class Agreement:
+    """The size every process plans from: the smallest any found (every process must call it).
+
+    Attributes:
+        found: what each process found at the last call, in process order, when they
+            differ; else None.
+
+    Examples:
+        >>> agree = Agreement()
+        >>> agree(48), agree.found  # one process
+        (48, None)
+    """
+
+    def __init__(self) -> None:
+        self.found: tuple[int, ...] | None = None
+
+    def __call__(self, size: int) -> int:
+        """The smallest ``size`` over the processes; each one's is kept in `found`."""
+        found = tuple(int(s) for s in _gather(int(size)))
+        self.found = found if len(set(found)) > 1 else None
+        return min(found)
+
+
+def process_means(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`jax_adaptive.Evaluator.evaluate`'s means over every process's examples together.
+
+    Each process passes its own ``{name: mean, ..., "examples": n}`` (every one must call it).
+
+    Examples:
+        >>> process_means({"loss": 0.5, "examples": 4})  # one process
+        {'loss': 0.5, 'examples': 4}
+    """
+    if jax.process_count() == 1:
+        return metrics
+    count = metrics["examples"]
+    sums = {k: np.asarray(v, np.float32) * count for k, v in metrics.items() if k != "examples"}
+    sums, counts = multihost_utils.process_allgather((sums, np.int32(count)))
+    total = int(np.sum(counts))
+    means = {k: np.sum(v, axis=0) / total for k, v in sums.items()}
+    return {**{k: float(m) if np.ndim(m) == 0 else m for k, m in means.items()}, "examples": total}
+
+
+def process_sum(value: int) -> int:
+    """The sum of ``value`` over all processes (every process must call it).
+
+    Examples:
+        >>> process_sum(7)  # one process
+        7
+    """
+    return int(_gather(int(value)).sum())
+
+
+def first_ready_everywhere(ready: Sequence[bool], done: bool) -> tuple[int | None, bool]:
+    """The first index ``ready`` on every process (None: none is), and whether all are ``done``.
+
+    Every process must call it, with as many flags.
+
+    Examples:
+        >>> first_ready_everywhere([False, True, True], False)  # one process
+        (1, False)
+    """
+    flags = np.array([*ready, done], np.int32)
+    if jax.process_count() > 1:
+        flags = np.asarray(multihost_utils.process_allgather(flags))
+    flags = flags.reshape(-1, len(ready) + 1)
+    common = flags[:, :-1].all(axis=0)
+    return (int(np.argmax(common)) if common.any() else None), bool(flags[:, -1].all())
+
+
 def process_any(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (every process must call it).
 
@@ -148,6 +244,23 @@ def process_any(flag: bool) -> bool:
         False
     """
     return bool(_gather(int(bool(flag))).max())
+
+
+def while_all(items: Iterable[T]) -> Iterator[T]:
+    """Yields ``items`` while every process has a next one (every process must iterate).
+
+    A stream that ends on one process ends on all, none waiting in a collective.
+
+    Examples:
+        >>> list(while_all(iter([1, 2])))  # one process
+        [1, 2]
+    """
+    iterator, end = iter(items), object()
+    while True:
+        item = next(iterator, end)
+        if process_any(item is end):
+            return
+        yield item  # type: ignore[misc]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -178,11 +291,16 @@ class Placement:
     With a mesh, each micro-batch is split over ``data_axis`` and ``param_sharding`` gives
     ``PartitionSpec`` s for (a prefix of) the parameters. ``device`` becomes this process's
     first device, ``shards`` the number of data shards, ``everywhere`` the replicated
-    sharding and ``data`` the micro-batch's (None without a mesh).
+    sharding and ``data`` the micro-batch's (None without a mesh). ``processes`` counts
+    those among which the data shards are split, each holding a block of them: each
+    passes its own share of every batch, unless ``global_batches`` (every process passes
+    the whole batch; ``processes`` is then 1).
 
     Examples:
         >>> Placement().shards, Placement(mesh=data_mesh()).shards == jax.device_count()
         (1, True)
+        >>> Placement(mesh=data_mesh()).share(64)  # one process passes the whole batch
+        64
     """
 
     def __init__(
@@ -191,9 +309,20 @@ class Placement:
         mesh: Mesh | None = None,
         data_axis: str = "data",
         param_sharding: Any = None,
+        global_batches: bool = False,
     ):
         self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
         self.shards = self._check(device)
+        self.processes = 1
+        if mesh is not None and not global_batches:  # the blocks of rows the processes hold
+            axis, own = mesh.axis_names.index(data_axis), jax.process_index()
+            rows = {i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == own}
+            if len(rows) != max(rows, default=-1) - min(rows, default=0) + 1:
+                raise ValueError(
+                    f"this process's devices hold data shards {sorted(rows)} of the mesh: "
+                    "they must be consecutive, or pass global_batches=True."
+                )
+            self.processes = self.shards // max(len(rows), 1)
         if mesh is None:
             self.device = device or jax.local_devices()[0]
             self.everywhere: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)
@@ -239,14 +368,46 @@ class Placement:
         model_state = jax.tree.map(lambda _: full, state.model_state)
         return type(state)(params, opt, model_state, full)
 
+    def share(self, T: int) -> int:
+        """The rows of a batch of ``T`` this process passes: ``T / processes``."""
+        if T % self.processes:
+            raise ValueError(
+                f"target_batch_size={T} must divide over the {self.processes} processes, "
+                "each passing an equal share of every batch."
+            )
+        return T // self.processes
+
+    def check_share(self, size: int, T: int) -> None:
+        """Raises on every process unless each passed its `share` of ``T`` (all must call it)."""
+        if self.processes == 1:
+            return
+        counts, share = _gather(size).tolist(), self.share(T)
+        if any(count != share for count in counts):
+            raise ValueError(
+                f"each of the {self.processes} processes passes target_batch_size / processes "
+                f"= {T} / {self.processes} = {share} examples, but they passed {counts} "
+                "(in process order)."
+            )
+
     def micro_batch(self, tree: Any, split: int = 1) -> Any:
         """A micro-batch split over the data axis, or a chunk of ``split`` as ``[split, m, ...]``.
 
-        Without a mesh, host arrays go as they are: the program's call transfers them faster.
+        With several `processes`, ``tree`` holds this process's rows only and the global
+        array is assembled from every process's. Without a mesh, host arrays go as they
+        are: the program's call transfers them faster.
         """
         if self.data is None:
             return tree
-        if split == 1:
-            return place(tree, self.data)
-        rows = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
-        return place(jax.tree.map(lambda x: x.reshape(split, -1, *x.shape[1:]), tree), rows)
+        sharding, axis = self.data, 0
+        if split > 1:
+            sharding, axis = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis)), 1
+            tree = jax.tree.map(lambda x: x.reshape(split, -1, *x.shape[1:]), tree)
+        if self.processes == 1:
+            return place(tree, sharding)
+
+        def assembled(rows: Any) -> jax.Array:
+            shape = list(np.shape(rows))
+            shape[axis] *= self.processes
+            return jax.make_array_from_process_local_data(sharding, np.asarray(rows), tuple(shape))
+
+        return jax.tree.map(assembled, tree)

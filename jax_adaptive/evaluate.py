@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_adaptive import checks
 from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
+from jax_adaptive.distributed import local_copy, process_means
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import least_padding_size
@@ -345,7 +346,8 @@ class TrainerEvaluations:
 
     Each shares the trainer's device, limit (followed when it changes), headroom and
     plan cache; its sizes and out-of-memory shrinking are its own. With model state,
-    ``metric_fn(params, model_state, batch)``.
+    ``metric_fn(params, model_state, batch)``. With several ``processes`` each evaluates
+    its own examples on its own device, and the means are over all of them.
     """
 
     def __init__(
@@ -357,8 +359,10 @@ class TrainerEvaluations:
         limit: Callable[[], int | None],
         headroom: float,
         plan_cache: PlanCache | None,
+        processes: int = 1,
     ):
         self.has_state, self.device, self.mesh = has_state, device, mesh
+        self.processes = processes
         self._limit, self._headroom, self._plan_cache = limit, headroom, plan_cache
         self._evaluators: dict[Callable[..., Any], Evaluator] = {}
 
@@ -383,10 +387,12 @@ class TrainerEvaluations:
         """``metric_fn``'s means over ``data`` (or its outputs), the state counted as live."""
         evaluator = self.evaluator(metric_fn)
         params = (state.params, state.model_state) if self.has_state else state.params
-        if self.mesh is not None:
-            params = jax.device_put(params, self.device)
-        run = evaluator.predict if predict else evaluator.evaluate
-        return run(params, data, resident=state)
+        if self.mesh is not None:  # evaluated on this process's device
+            params = local_copy(params, self.device)
+        if predict:
+            return evaluator.predict(params, data, resident=state)
+        means = evaluator.evaluate(params, data, resident=state)
+        return means if self.processes == 1 else process_means(means)
 
     def after_update(
         self, every: int | None, data: Any, metric_fn: Callable[..., Any] | None, last: int | None

@@ -79,6 +79,8 @@ class Plan(NamedTuple):
         fused: whether the last program runs the optimizer step too (its ledger fits).
         source: ``"searched"``, ``"plan cache"``, ``"fixed"`` or ``"shrunk"`` (after an
             out-of-memory); None when unknown.
+        found: under ``jax.distributed``, the largest size each process found, in
+            process order, when they differ (all plan from the smallest); else None.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -96,6 +98,24 @@ the optimizer step in the last program
     largest: int | None = None
     fused: bool | None = None
     source: str | None = None
+    found: tuple[int, ...] | None = None
+
+    def bound(self) -> str | None:
+        """Which process bound the plan and how much further the others could have gone.
+
+        Examples:
+            >>> print(Plan(48, 2, None, None, found=(64, 48, 56)).bound())
+            process 1 bound it at 48; the others could have gone to 64 (process 0, +16), \
+56 (process 2, +8)
+        """
+        if self.found is None:
+            return None
+        least = min(self.found)
+        further = ", ".join(
+            f"{s} (process {i}, +{s - least})" for i, s in enumerate(self.found) if s != least
+        )
+        bound = f"process {self.found.index(least)} bound it at {least}"
+        return f"{bound}; the others could have gone to {further}"
 
     def __str__(self) -> str:
         m, k = self.micro_batch_size, self.accumulation_steps
@@ -103,6 +123,8 @@ the optimizer step in the last program
         why = [self.source] if self.source else []
         if self.largest is not None and self.largest != m:
             why.append(f"the largest that fits is {self.largest}")
+        if self.found is not None:
+            why.append(str(self.bound()))
         if why:
             words[0] += f" ({'; '.join(why)})"
         of = "" if self.capacity is None else f" of {self.capacity:,}"

@@ -140,10 +140,15 @@ class Planner:
 
     @property
     def plan(self) -> Plan:
-        """The `Plan` in use."""
+        """The `Plan` in use.
+
+        Under ``jax.distributed`` its peak waits for the first update: deciding the chunk
+        is collective, and a process that did not measure the size would skip it.
+        """
         if self.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
         known = self.program.peak(self.size) is not None
+        known &= self.chunking.chunk_of is not None or jax.process_count() == 1
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
@@ -153,6 +158,7 @@ class Planner:
             None if self.largest is None else min(self.largest, self.target_batch_size),
             self.chunking.fused,
             self.source,
+            getattr(self.sizing.agree, "found", None),  # an `Agreement`'s, several processes
         )
 
     def _peak(self) -> Ledger:

@@ -12,7 +12,7 @@ import optax
 
 from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
-from jax_adaptive.distributed import Placement, place, process_min
+from jax_adaptive.distributed import Agreement, Placement, place, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.loop import fit_loop
@@ -57,6 +57,9 @@ class AdaptiveTrainer:
         memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the size.
         sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (its limit,
             headroom, cache and retries count).
+        global_batches: under ``jax.distributed``, every process passes the whole
+            target batch and keeps its rows, instead of its own share
+            (`process_batch_size` rows, the default: docs/devices.md).
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -96,6 +99,7 @@ class AdaptiveTrainer:
         in_flight: int = 1,
         memory_prior: tuple[float, float] | None = None,
         sizing: Sizing | None = None,
+        global_batches: bool = False,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -106,7 +110,9 @@ class AdaptiveTrainer:
             )
         self.schedule = BatchSchedule(target_batch_size)
         self.optimizer = optimizer
-        self.placement = Placement(checks.check_device(device), mesh, data_axis, param_sharding)
+        self.placement = Placement(
+            checks.check_device(device), mesh, data_axis, param_sharding, global_batches
+        )
         self._cursor = ScheduleCursor(self.schedule, self.shards)
         T = self._cursor.size_at(0)
         multiple_of = checks.positive_int("multiple_of", multiple_of)
@@ -118,7 +124,7 @@ class AdaptiveTrainer:
         self._sizing = sizing or Sizing(
             "micro-step of", memory_limit=memory_limit, headroom=headroom,
             device=self.placement.device, plan_cache=PlanCache.from_arg(plan_cache),
-            oom_retries=oom_retries, agree=process_min,
+            oom_retries=oom_retries, agree=Agreement(),
         )  # fmt: skip
         self._executables = Executables(
             checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, self._sizing,
@@ -136,7 +142,7 @@ class AdaptiveTrainer:
         self._evaluations = TrainerEvaluations(
             has_state=has_state, device=self.device, mesh=self.mesh,
             limit=lambda: self.memory_limit, headroom=self.headroom,
-            plan_cache=self.plan_cache,
+            plan_cache=self.plan_cache, processes=self.placement.processes,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- what it holds
@@ -159,6 +165,15 @@ class AdaptiveTrainer:
     def target_batch_size(self) -> int:
         """Examples the next update takes (the schedule's, at the last state seen)."""
         return self._cursor.target
+
+    @property
+    def process_batch_size(self) -> int:
+        """Examples this process passes per update: its share of `target_batch_size`.
+
+        ``target_batch_size / processes`` under ``jax.distributed`` (docs/devices.md),
+        all of it on one process or with ``global_batches``.
+        """
+        return self.placement.share(self.target_batch_size)
 
     def target_batch_size_for(self, state: TrainState) -> int:
         """The examples the update of ``state`` takes: the schedule at ``state.updates``."""
@@ -280,7 +295,8 @@ class AdaptiveTrainer:
 
         Args:
             state: the current `TrainState`.
-            batch: a pytree of arrays (NumPy or jax) with that leading size.
+            batch: a pytree of arrays (NumPy or jax) with that leading size; under
+                ``jax.distributed``, this process's rows: `process_batch_size` of them.
             weights: per-example weights (None: all 1): the update follows
                 ``sum(weights * losses) / target_batch_size``.
 
@@ -303,7 +319,9 @@ class AdaptiveTrainer:
         T = self._cursor.size_at(updates)
         batch = checks.on_device(batch, self.device if self.mesh is None else None)
         scheduled = None if self.schedule.constant is not None else updates
-        checks.check_batch(batch, weights, self._executables.example, T, scheduled)
+        self.placement.check_share(leading_size(batch), T)
+        share = self.placement.share(T)
+        checks.check_batch(batch, weights, self._executables.example, share, scheduled)
         self._planner.set_target(T)
         out = self._updater.run(state, batch, weights)
         self._cursor.stepped(out[0].updates, updates + 1)
@@ -322,7 +340,9 @@ class AdaptiveTrainer:
 
         Args:
             state: the `TrainState` (left as it is).
-            data: one batch of all the examples, or a stream of batches (read once).
+            data: one batch of all the examples, or a stream of batches (read once);
+                under ``jax.distributed`` this process's examples (the means are over
+                every process's; with ``predict``, its own outputs).
             metric_fn: ``(params, batch) -> {name: per-example values}``; with
                 ``has_state`` ``(params, model_state, batch)``.
             predict: return every example's outputs (any pytree) instead of the means.
@@ -361,7 +381,8 @@ class AdaptiveTrainer:
 
         Args:
             state: the current `TrainState`.
-            batches: host batches, each of any leading size.
+            batches: host batches, each of any leading size (under ``jax.distributed``,
+                this process's examples: it reads `process_batch_size` per update).
             num_updates: how many updates; None until the stream ends.
             progress: show a progress bar.
             on_update: ``on_update(update, metrics)`` after each update.
@@ -390,19 +411,20 @@ class AdaptiveTrainer:
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluations.after_update(eval_every, eval_data, metric_fn, num_updates)
-        T = self.target_batch_size_for(state)
+        T = self.placement.share(self.target_batch_size_for(state))
         stream = Rebatcher(batches, T, read_ahead=read_ahead, lend=True)
 
         def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
             state, metrics = self.step(state, batch)
-            stream.size = self.target_batch_size  # the next update's (a schedule's)
+            stream.size = self.process_batch_size  # the next update's (a schedule's)
             return state, metrics
 
         history: list[dict[str, Any]] = []
         try:
             with stream:  # what was read and not trained on goes back to the stream
                 state, history = fit_loop(
-                    step, state, stream, num_updates, progress=progress, on_update=on_update,
+                    step, state, stream if self.placement.processes == 1 else while_all(stream),
+                    num_updates, progress=progress, on_update=on_update,
                     after_update=after, taken=stream.taken,
                 )  # fmt: skip
         except KeyboardInterrupt as exc:  # wherever it landed, it carries what was done

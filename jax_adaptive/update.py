@@ -125,7 +125,7 @@ class Updater:
         """
         self.planner.start_update()
         if weights is None:  # every row live: nothing to gather
-            weights = self._ones(self.T)
+            weights = self._ones(self.placement.share(self.T))
         else:
             weights = np.asarray(weights, np.float32)
             batch = _live_inputs(batch, weights)
@@ -243,8 +243,14 @@ class Updater:
         return ones
 
     def _rows(self, batch: tuple[Batch, np.ndarray], start: int, n: int) -> tuple[Batch, Any]:
-        """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0."""
-        if start == 0 and n == self.T:
+        """Examples ``start`` to ``start + n`` and their weights, padded: padding weighs 0.
+
+        With several processes, each holds its share of those rows: ``start`` and ``n``
+        (multiples of the data shards, or ``T``) count them over all processes.
+        """
+        P = self.placement.processes
+        start, n = start // P, n // P
+        if start == 0 and n == self.T // P:
             return batch  # the whole batch: nothing to cut
         piece = next(micro_batches(batch, n, start=start))
         examples, weights = piece.batch

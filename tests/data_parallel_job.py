@@ -2,9 +2,11 @@
 
 ``python data_parallel_job.py mesh OUT.json`` trains on 8 CPU devices;
 ``python data_parallel_job.py process ID PORT OUT.json`` is one of two ``jax.distributed``
-processes on localhost (2 CPU devices each, gloo collectives). Each writes its figures
-and the final parameters next to an independent single-device reference (plain optax,
-one full-batch step per update) for the test to compare. The device count is set before
+processes on localhost (2 CPU devices each, gloo collectives) passing global batches;
+``local ID PORT OUT.json`` one of two with 4 devices each, each reading only its own
+rows. Each writes its figures and the final parameters next to an independent
+single-device reference (plain optax, one full-batch step per update) for the test to
+compare. The device count is set before
 JAX starts, which is why these run apart from the test process (DESIGN.md).
 """
 
@@ -12,7 +14,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    devices = 8 if sys.argv[1] == "mesh" else 2
+    devices = {"mesh": 8, "process": 2, "local": 4, "buckets": 2}[sys.argv[1]]
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -132,11 +134,137 @@ def process_job(process_id, port, out):
     limit = 80_000 if process_id == 0 else 60_000
     faults = {3} if process_id == 0 else ()
     _, _, run = train(
-        params, batches, memory_limit=limit, mesh=ja.data_mesh(), faults=faults, loss=counted_loss
-    )
+        params, batches, memory_limit=limit, mesh=ja.data_mesh(), faults=faults,
+        loss=counted_loss, global_batches=True,
+    )  # fmt: skip
     run["runs"] = RUNS[0] // jax.local_device_count()
     run["reference"] = host(reference(params, batches))
     run["devices"] = jax.device_count()
+    with open(out, "w") as f:
+        json.dump(run, f)
+    jax.distributed.shutdown()
+
+
+def local_job(process_id, port, out):
+    """Each process reads only its half of every target batch, through `fit`.
+
+    Process ``p``'s rows of an update are rows ``[p * T/2, (p + 1) * T/2)`` of the
+    reference's full batch: the concatenation of the processes' rows, in process order.
+    """
+    import jax_adaptive as ja
+    from jax_adaptive.testing import inject_oom
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    params, batches = problem()
+    share, read = T // 2, [0]
+
+    def loader(updates):  # this process's rows, 25 at a time, counted as they are read
+        for batch in batches[:updates]:
+            for start in range(process_id * share, (process_id + 1) * share, 25):
+                read[0] += 25
+                yield {k: v[start : start + 25] for k, v in batch.items()}
+
+    trainer = ja.AdaptiveTrainer(
+        counted_loss, OPTIMIZER, target_batch_size=T, plan_cache=False, objective="max",
+        memory_limit=60_000 if process_id == 0 else 80_000, mesh=ja.data_mesh(),
+    )  # fmt: skip
+    state = trainer.init(params, batches[0])
+    planned, plan = trainer.micro_batch_size, trainer.plan_info
+    # Only process 0 runs out of memory, inside its second micro-step's run.
+    with inject_oom(trainer, executions={2} if process_id == 0 else ()) as injector:
+        state, history = trainer.fit(state, loader(UPDATES), read_ahead=0)
+    # Each process evaluates its own rows of a held-out batch; the means are over all.
+    held_out = regression_batches(1, 30, 7, D_IN, LENGTH)[0]
+    own = {k: v[process_id * 10 : 10 + process_id * 20] for k, v in held_out.items()}
+    metric = lambda p, b: {"loss": mlp_loss(p, b, None)}  # noqa: E731
+    evaluated = trainer.evaluate(state, own, metric)
+    errors = []
+    wrong = {k: v[: share - 10 * process_id] for k, v in batches[0].items()}
+    try:  # the processes pass different counts: both refuse, in one line, none hangs
+        trainer.step(state, wrong)
+    except ValueError as exc:
+        errors.append(str(exc))
+    # Process 1's stream is empty: both stop at once, none waits for the other.
+    short = [{k: v[:share] for k, v in batches[0].items()}] if process_id == 0 else []
+    _, after_end = trainer.fit(state, short)
+    # The processes split a mesh's data shards in blocks, or hold them all (then every
+    # process passes the whole batch).
+    from jax_adaptive.distributed import Placement
+
+    grid = np.array(jax.devices()).reshape(2, 4)  # a row of 4 devices per process
+    splits = [Placement(mesh=Mesh(d, ("data", "model"))).processes for d in (grid, grid.T)]
+    host_state = jax.tree.map(lambda x: x.addressable_shards[0].data, state.params)
+    run = {
+        "planned": planned,
+        "found": plan.found,
+        "plan": str(plan),
+        "process_batch_size": trainer.process_batch_size,
+        "sizes": [int(h["micro_batch_size"]) for h in history],
+        "examples": [int(h["examples"]) for h in history],
+        "read": read[0],
+        "injected": injector.injected,
+        "runs": RUNS[0] // jax.local_device_count(),
+        "errors": errors,
+        "updates_after_end": len(after_end),
+        "splits": splits,
+        "evaluated": evaluated,
+        "evaluated_reference": float(mlp_loss(host_state, held_out, None).mean()),
+        "params": host(state.params),
+        "reference": host(reference(params, batches)),
+        "devices": jax.device_count(),
+    }
+    with open(out, "w") as f:
+        json.dump(run, f)
+    jax.distributed.shutdown()
+
+
+def buckets_job(process_id, port, out):
+    """Each process buckets its own sequences; every update equals one device's on both."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    import jax_adaptive as ja
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    rng = np.random.default_rng(10 + process_id)  # each process its own lengths
+    sequences = [{"x": rng.normal(size=(n, 3)).astype(np.float32)} for n in rng.integers(1, 9, 40)]
+
+    def loss_fn(params, batch, rng):  # summed over each sequence's real tokens
+        return jnp.sum(batch["mask"] * (batch["x"] @ params - 1.0) ** 2, axis=1)
+
+    trainer = ja.BucketedTrainer(
+        loss_fn, OPTIMIZER, buckets=(4, 8), target_tokens=96, mesh=ja.data_mesh(),
+        micro_batch_size=8, plan_cache=False,
+    )  # fmt: skip
+    trained, step = [], trainer.step
+
+    def recorded(state, batch):
+        trained.append(batch)
+        return step(state, batch)
+
+    trainer.step = recorded
+    params = jnp.zeros(3)
+    state, history = trainer.fit(trainer.init(params, sequences[0]), sequences)
+    # Each update's examples: both processes' rows, in process order, on one device.
+    opt_state, reference = OPTIMIZER.init(params), params
+    for batch in trained:
+        whole = multihost_utils.process_allgather(batch.batch, tiled=True)
+        whole = jax.device_put(whole, jax.local_devices()[0])
+
+        def mean(p, whole=whole):
+            return jnp.sum(loss_fn(p, whole, None)) / jnp.sum(whole["mask"])
+
+        updates, opt_state = OPTIMIZER.update(jax.grad(mean)(reference), opt_state, reference)
+        reference = optax.apply_updates(reference, updates)
+    params = np.asarray(state.params.addressable_shards[0].data)
+    run = {
+        "buckets": [int(h["bucket"]) for h in history],
+        "rows": [len(b.batch["mask"]) for b in trained],
+        "tokens": [int(h["tokens"]) for h in history],
+        "difference": float(np.max(np.abs(params - np.asarray(reference)))),
+    }
     with open(out, "w") as f:
         json.dump(run, f)
     jax.distributed.shutdown()
@@ -146,4 +274,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "mesh":
         mesh_job(sys.argv[2])
     else:
-        process_job(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        jobs = {"process": process_job, "local": local_job, "buckets": buckets_job}
+        jobs[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

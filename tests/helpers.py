@@ -1,5 +1,7 @@
 """Shared test fixtures: a small model, data, and the independent full-batch reference."""
 
+import socket
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,3 +64,10 @@ def vmsize() -> int:
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (a jax.distributed coordinator's)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]

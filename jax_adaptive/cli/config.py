@@ -72,6 +72,7 @@ class TrainConfig:
     max_length: int = 256  # --model gpt: the longest sequence (and the largest bucket)
     data_parallel: bool = False  # split each micro-batch over all devices
     allow_nonfinite: bool = False  # a NaN or infinite loss goes on instead of stopping
+    distributed: str | None = None  # "auto" or "HOST:PORT,PROCESSES,ID": jax.distributed
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.
@@ -107,6 +108,26 @@ class TrainConfig:
             return str(Path(self.plan_cache).resolve())
         return self.plan_cache
 
+    def distributed_args(self) -> dict[str, Any] | None:
+        """``jax.distributed.initialize``'s arguments for ``distributed``; None: one process.
+
+        ``"auto"`` leaves them to the cluster's environment (SLURM, Open MPI, ...).
+
+        Examples:
+            >>> TrainConfig(distributed="localhost:1234,2,1").distributed_args()
+            {'coordinator_address': 'localhost:1234', 'num_processes': 2, 'process_id': 1}
+        """
+        if self.distributed in (None, "auto"):
+            return None if self.distributed is None else {}
+        address, processes, index = [*self.distributed.split(","), "", ""][:3]
+        if not (processes.isdigit() and index.isdigit() and int(index) < int(processes)):
+            raise ValueError(
+                f"--distributed {self.distributed!r} must be 'auto' or HOST:PORT,PROCESSES,ID "
+                "with 0 <= ID < PROCESSES, e.g. localhost:1234,2,0."
+            )
+        return {"coordinator_address": address, "num_processes": int(processes),
+                "process_id": int(index)}  # fmt: skip
+
 
 def check_config(config: TrainConfig) -> None:
     """Raises a one-line `ValueError`, naming the flag, for a config no path can run.
@@ -135,7 +156,11 @@ def check_config(config: TrainConfig) -> None:
          "--batch-schedule is for image models; --model gpt takes --target-tokens."),
         (config.objective not in OBJECTIVES,
          f"--objective {config.objective!r} must be one of {', '.join(OBJECTIVES)}."),
+        (config.distributed is not None and (gpt or not config.data_parallel),
+         "--distributed trains an image model over every process's devices: add "
+         "--data-parallel (--model gpt runs on one process)."),
     )  # fmt: skip
+    config.distributed_args()  # raises naming the flag
     check, t_max = checks.flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
     check("--target-batch-size", config.target_batch_size, **t_max)
     if config.batch_schedule is not None:

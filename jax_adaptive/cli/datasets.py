@@ -71,16 +71,23 @@ class _Images:
 def load_source(
     dataset: str, *, data_dir: str | None = None, split: str = "train", seed: int = 0
 ) -> Source:
-    """Opens ``"synthetic"`` or ``"tfds:NAME"``; what cannot be read is one line with the fix.
+    """Opens ``"synthetic"`` (``"synthetic:N"``: N examples) or ``"tfds:NAME"``.
+
+    What cannot be read is one line with the fix.
 
     Examples:
-        >>> len(load_source("synthetic"))
-        8192
+        >>> len(load_source("synthetic")), len(load_source("synthetic:96"))
+        (8192, 96)
     """
-    if dataset == "synthetic":
-        return SyntheticSource(8192, seed=seed)
+    if dataset == "synthetic" or dataset.startswith("synthetic:"):
+        count = dataset.partition(":")[2] or "8192"
+        if not count.isdigit() or not int(count):
+            raise ValueError(f"--dataset {dataset!r}: synthetic:N takes a positive count N.")
+        return SyntheticSource(int(count), seed=seed)
     if not dataset.startswith("tfds:") or not dataset[5:]:
-        raise ValueError(f"unknown dataset {dataset!r}; use 'synthetic' or 'tfds:NAME'.")
+        raise ValueError(
+            f"unknown dataset {dataset!r}; use 'synthetic', 'synthetic:N' or 'tfds:NAME'."
+        )
     tfds = import_extra("tensorflow_datasets", "tfds", f"--dataset {dataset}")
     name = dataset[5:]
     try:
@@ -106,7 +113,7 @@ def load_held_out(
         >>> held_out["image"].shape, bool((held_out["image"][0] != train[0]["image"]).any())
         ((1024, 16, 16, 3), True)
     """
-    if dataset == "synthetic":
+    if dataset.partition(":")[0] == "synthetic":
         source: Source = SyntheticSource(HELD_OUT_EXAMPLES, seed=2**63 + seed)
     else:
         try:
@@ -126,19 +133,35 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 class ShuffledBatches:
     """Batches in the permutation of ``(seed, epoch)``; ``position`` counts examples drawn.
 
+    With ``shard=(index, count)`` (a process of ``jax.distributed`` and how many there are)
+    it reads only the ``index``-th of ``count`` equal slices of each batch: together the
+    processes read every example of an epoch once, and the batches one process reads.
+
     Examples:
         >>> batches = ShuffledBatches(SyntheticSource(10), 4, seed=1, start=8)
         >>> batch = next(batches)
         >>> batch["label"].shape, batches.position
         ((4,), 12)
+        >>> halves = [ShuffledBatches(SyntheticSource(10), 4, shard=(i, 2)) for i in (0, 1)]
+        >>> [next(half)["label"].shape for half in halves], halves[1].position
+        ([(2,), (2,)], 4)
     """
 
-    def __init__(self, source: Source, batch_size: int, *, seed: int = 0, start: int = 0):
+    def __init__(
+        self,
+        source: Source,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        start: int = 0,
+        shard: tuple[int, int] = (0, 1),
+    ):
         if len(source) == 0:
             raise ValueError("the dataset has no examples.")
         if batch_size <= 0 or start < 0:
             raise ValueError(f"{batch_size=} must be positive and {start=} non-negative.")
         self.source, self.batch_size, self.seed, self.position = source, batch_size, seed, start
+        self.shard = shard
         self._order: tuple[int, np.ndarray] | None = None  # the current epoch's
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -146,7 +169,9 @@ class ShuffledBatches:
 
     def __next__(self) -> dict[str, np.ndarray]:
         n, rows = len(self.source), []
-        for i in range(self.position, self.position + self.batch_size):
+        (index, count), size = self.shard, self.batch_size
+        first = self.position + size * index // count
+        for i in range(first, self.position + size * (index + 1) // count):
             if self._order is None or self._order[0] != i // n:
                 order = np.random.default_rng([self.seed, i // n]).permutation(n)
                 self._order = (i // n, order)

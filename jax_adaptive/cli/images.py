@@ -75,6 +75,7 @@ def _plan_line(
            if trainer.shards > 1 else "")
         + (f" (largest that fits: {largest})"
            if largest not in (None, trainer.micro_batch_size) else "")
+        + (f" ({bound})" if (bound := trainer.plan_info.bound()) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
         + (f"; BatchNorm over ghost batches of {ghost}" if ghost else "")
@@ -100,7 +101,7 @@ def _image_line(line: dict[str, Any]) -> str:
 
 def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[str, Any]:
     source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
-    example = next(ShuffledBatches(source, 1))
+    example = jax.tree.map(lambda x: np.asarray(x)[None], source[0])  # its shapes
     model = image_model(config, source.num_classes, source[0])
     variables = model.module.init(
         jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
@@ -126,6 +127,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     held_out = None
     if config.eval_every:
         held_out = load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
+        n, p, P = len(held_out["label"]), jax.process_index(), jax.process_count()
+        held_out = {k: v[n * p // P : n * (p + 1) // P] for k, v in held_out.items()}  # its own
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
@@ -161,7 +164,10 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         compiles=lambda: trainer.compiles, workdir=workdir, out=out,
         evaluate=evaluate if held_out is not None else None,
     )  # fmt: skip
-    batches = ShuffledBatches(source, trainer.target_batch_size, seed=config.seed, start=position)
+    batches = ShuffledBatches(
+        source, trainer.target_batch_size, seed=config.seed, start=position,
+        shard=(jax.process_index(), jax.process_count()),
+    )  # fmt: skip
     hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
     lines, evaluated = hooks.lines, [line for line in hooks.lines if "eval_loss" in line]
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import decimal
+import io
 import re
 import sys
 from pathlib import Path
@@ -81,7 +82,17 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     check_config(config)
     if config.compilation_cache is not None:
         enable_compilation_cache(Path(config.compilation_cache).resolve())
-    return (train_gpt if config.model == "gpt" else train_images)(config, out=out)
+    started = config.distributed is not None and not jax.distributed.is_initialized()
+    if started:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
+        jax.distributed.initialize(**config.distributed_args())
+    if jax.process_index():  # process 0 alone prints (and writes the workdir's lines)
+        out = io.StringIO()
+    try:
+        return (train_gpt if config.model == "gpt" else train_images)(config, out=out)
+    finally:
+        if started:
+            jax.distributed.shutdown()
 
 
 def _micro_batch_size(text: str) -> int | str:
@@ -152,8 +163,12 @@ def _parser() -> argparse.ArgumentParser:
         "dividing every target batch, at least 8; 0: per micro-batch, which depends on the "
         "device); every micro-batch holds whole ghost batches")
     add("--data-parallel", action="store_true",
-        help=f"split each micro-batch over all devices ({jax.device_count()} here); the "
-        "searched size is then per device")
+        help="split each micro-batch over all devices (of every process with "
+        "--distributed); the searched size is then per device")
+    add("--distributed", nargs="?", const="auto", default=None, metavar="HOST:PORT,N,ID",
+        help="run as one of N processes under jax.distributed (with --data-parallel), each "
+        "reading only its share of every batch; alone, the cluster's environment (SLURM, "
+        "Open MPI, ...) says the coordinator, N and this process's ID")
     add("--optimizer", default="adam", choices=OPTIMIZER_NAMES,
         help="the optax optimizer (default: adam)")
     add("--learning-rate", type=float, default=3e-3, help="its learning rate")

@@ -1,6 +1,7 @@
 """A run's directory: ``plan.json``, ``metrics.jsonl`` (one line per update) and checkpoints.
 
 ``plan.json`` is ``{"config", "plans", "search_seconds"}``, a `plan_entry` per trainer.
+Under ``jax.distributed`` process 0 alone writes these; every process saves checkpoints.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
+
+import jax
 
 from jax_adaptive.cli.checkpoints import Checkpoints
 from jax_adaptive.cli.config import TrainConfig
@@ -59,11 +62,13 @@ class Workdir(contextlib.AbstractContextManager):
         self.path, self.config = Path(path).resolve(), config
         self._metrics: TextIO | None = None
         self._plan: Any = None
+        self.primary = jax.process_index() == 0  # the one process writing plans and lines
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "metrics.jsonl").touch()
+            if self.primary:
+                (self.path / "metrics.jsonl").touch()
         except OSError as exc:
             raise ValueError(
                 f"--workdir {str(path)!r} cannot be used: {exc.strerror or exc}."
@@ -89,13 +94,15 @@ class Workdir(contextlib.AbstractContextManager):
     def write_plan(self, plans: list[dict[str, Any]], *, search_seconds: float) -> None:
         """(Re)writes ``plan.json`` when the plans or the search time changed."""
         plan = {"plans": plans, "search_seconds": search_seconds}
-        if plan != self._plan:
+        if plan != self._plan and self.primary:
             text = {"config": dataclasses.asdict(self.config), **plan}
             (self.path / "plan.json").write_text(json.dumps(text, indent=1, default=str))
             self._plan = plan
 
     def start(self, done: int) -> None:
         """Keeps only the lines of updates ``1..done``: a resumed run writes the rest again."""
+        if not self.primary:
+            return
         if self._metrics is not None:
             self._metrics.close()
         path, kept = self.path / "metrics.jsonl", []
@@ -112,6 +119,8 @@ class Workdir(contextlib.AbstractContextManager):
 
     def log(self, line: dict[str, Any]) -> None:
         """Appends one update's metrics as a JSON line (flushed: a killed run keeps it)."""
+        if not self.primary:
+            return
         if self._metrics is None:
             self._metrics = open(self.path / "metrics.jsonl", "a")
         self._metrics.write(json.dumps(line) + "\n")

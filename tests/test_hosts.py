@@ -1,0 +1,103 @@
+"""The command line on two jax.distributed processes (localhost, gloo, 4 CPU devices each).
+
+Each process runs hosts_cli_job.py, which records the examples its data stream read; one
+pair of runs is killed (SIGKILL, each process) after a checkpoint and resumed.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import free_port
+
+JOB = Path(__file__).with_name("hosts_cli_job.py")
+EXAMPLES, T = 256, 64  # an epoch: 4 updates
+
+
+def _two_processes(tmp_path, name, *flags, kill_at=0):
+    """Runs the command line as two processes; each one's exit status, output and reads."""
+    port, outs = free_port(), [tmp_path / f"{name}{i}.json" for i in range(2)]
+    args = [[sys.executable, JOB, i, port, out, kill_at, *flags] for i, out in enumerate(outs)]
+    procs = [
+        subprocess.Popen(
+            [str(a) for a in command],
+            cwd=JOB.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for command in args
+    ]
+    try:
+        texts = [proc.communicate(timeout=240)[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the processes did not finish in 240 s (a deadlock?)")
+    finally:  # one that hung must not leave its peer running into later tests
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    results = [json.loads(out.read_text()) if out.exists() else None for out in outs]
+    return [proc.returncode for proc in procs], texts, results
+
+
+def _params(workdir, update):
+    restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(update) / "state")
+    return restored["state"]["params"]
+
+
+def test_two_processes_read_an_epoch_once_and_resume_after_a_kill(tmp_path):
+    flags = ["--model", "mlp", "--dataset", f"synthetic:{EXAMPLES}", "--target-batch-size", T]
+    flags += ["--epochs", 1, "--data-parallel", "--micro-batch-size", 24, "--no-progress"]
+    flags += ["--checkpoint-every", 2, "--compilation-cache", tmp_path / "xla"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    status, texts, results = _two_processes(
+        tmp_path, "whole", *flags, "--eval-every", 2, "--workdir", whole
+    )
+    assert status == [0, 0], texts
+    # Every example of the epoch read exactly once, across both processes.
+    firsts = [[i for epoch, i in r["read"] if epoch == 0] for r in results]
+    assert len(firsts[0]) == len(firsts[1]) == EXAMPLES // 2
+    assert sorted(firsts[0] + firsts[1]) == list(range(EXAMPLES))
+    # Process 0 alone prints and writes the lines; micro-batches of 24 (12 rows of each
+    # process's 32) on the 8 devices.
+    lines = [line for line in texts[0].splitlines() if line.startswith(("plan:", "update"))]
+    assert lines[0].startswith("plan: micro-batch 24 x 3 accumulation steps = target batch 64")
+    assert len(lines) == 5 and not [t for t in texts[1].splitlines() if t.startswith("update")]
+    metrics = [json.loads(m) for m in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[1]["eval_examples"] == 1024  # each process evaluated its 512
+    # Killed (each process, SIGKILL) once checkpoint 2 is written, then resumed.
+    flags += ["--eval-every", 0, "--workdir", killed]
+    status, texts, _ = _two_processes(tmp_path, "killed", *flags, kill_at=2)
+    assert status == [-9, -9], texts
+    status, texts, _ = _two_processes(tmp_path, "resumed", *flags, "--resume")
+    assert status == [0, 0], texts
+    assert "resumed at update 2" in texts[0]
+    a, b = _params(whole, 4), _params(killed, 4)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    resumed = [json.loads(m) for m in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--distributed"], "--distributed trains an image model over every process's devices"),
+        (["--distributed", "localhost:1,2,2", "--data-parallel"], "with 0 <= ID < PROCESSES"),
+        (["--distributed", "--data-parallel", "--model", "gpt"], "--model gpt runs on one"),
+        (["--dataset", "synthetic:0"], "synthetic:N takes a positive count N"),
+    ],
+)
+def test_bad_distributed_flags_are_one_line(flags, said, capsys):
+    from jax_adaptive.cli.main import main
+
+    assert main([*flags, "--updates", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
