@@ -20,6 +20,9 @@ __all__ = ["ReadAhead", "Unread", "interrupts_deferred"]
 CLOSE_GRACE = 0.25
 """Seconds `ReadAhead.close` waits for a read in progress before it returns without it."""
 
+_POLL = 0.05
+"""Seconds between a waiting main thread's looks at a held Ctrl-C."""
+
 _deferring = threading.local()
 
 
@@ -149,20 +152,24 @@ class ReadAhead:
 
     def wait(self) -> None:
         """Blocks (a Ctrl-C interrupts it) until `next` can return without blocking."""
-        if not self._ready and not self._finished:
-            self._available.acquire()
-            self._ready = True
+        # A Ctrl-C raised inside a semaphore's own code could take its permit without
+        # `_ready` saying so, or lose the wake-up of the other thread (measured: both
+        # threads waiting for ever under load); it is held and raised between polls.
+        with interrupts_deferred() as held:
+            while not (self._ready or self._finished or held):
+                self._ready = self._available.acquire(timeout=_POLL)
 
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
         self.wait()
-        self._ready = False
-        kind, value = self._queue.get_nowait()
-        if kind == "item":
-            self._slots.release()
-            return value
-        self._finished = True
+        with interrupts_deferred():  # the item taken and its slot freed, or neither
+            self._ready = False
+            kind, value = self._queue.get_nowait()
+            if kind == "item":
+                self._slots.release()
+                return value
+            self._finished = True
         if kind == "end":
             raise StopIteration
         raise value
