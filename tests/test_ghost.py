@@ -1,6 +1,8 @@
 """Ghost batches: BatchNorm training that does not depend on the micro-batch size."""
 
 import functools
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +73,11 @@ def reference():
     return params, stats
 
 
-def train_linen(ghost_batch_size, **trainer_kwargs):
-    loss_fn = linen_classifier_loss(
-        MODEL, mutable=("batch_stats",), ghost_batch_size=ghost_batch_size
-    )
+def train_linen(ghost_batch_size, loss_fn=None, **trainer_kwargs):
+    if loss_fn is None:
+        loss_fn = linen_classifier_loss(
+            MODEL, mutable=("batch_stats",), ghost_batch_size=ghost_batch_size
+        )
     trainer = ja.AdaptiveTrainer(
         loss_fn, SGD, target_batch_size=T, has_aux=True, has_state=True, **trainer_kwargs
     )
@@ -86,17 +89,112 @@ def train_linen(ghost_batch_size, **trainer_kwargs):
     return trainer, state
 
 
+@functools.cache
+def ghost_linen(micro):
+    return train_linen(G, micro_batch_size=micro, multiple_of=G)
+
+
 # 8 and 24 divide T; 32 does not: its second micro-step has two groups of padding,
 # which must not move the running averages.
 @pytest.mark.parametrize("micro", [8, 24, 32])
 def test_ghost_batches_train_the_same_at_any_micro_batch_size(micro):
-    trainer, state = train_linen(G, micro_batch_size=micro, multiple_of=G)
+    trainer, state = ghost_linen(micro)
     assert trainer.micro_batch_size == micro
     params, stats = reference()
     assert_trees_close(state.model_state["batch_stats"], stats, 1e-5)
     assert_trees_close(state.params, params, 1e-5)
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), params, variables()["params"])
     assert min(jax.tree.leaves(moved)) > 1e-4  # every parameter trained
+
+
+def test_side_by_side_groups_train_as_the_sequential_form():
+    """The groups at once (the default) against one after another in a scan, with padding."""
+    plain = linen_classifier_loss(MODEL, mutable=("batch_stats",))
+    ghost = ja.ghost_batches(plain, G)
+    batch, key = BATCHES[0], jax.random.key(0)
+    args = (variables()["params"], {"batch_stats": variables()["batch_stats"]}, batch, key)
+    assert not uses_scan(ghost, *args)  # the fast form, not a fallback
+    sequential = ja.ghost_batches(plain, G, sequential=True)
+    assert uses_scan(sequential, *args)
+    _, side = ghost_linen(32)  # through the adapter's ghost_batch_size
+    _, scan = train_linen(G, sequential, micro_batch_size=32, multiple_of=G)
+    assert_trees_close(side.params, scan.params, 1e-5)
+    assert_trees_close(side.model_state, scan.model_state, 1e-5)
+
+
+def uses_scan(loss_fn, params, state, batch, rng):
+    weights = jnp.ones(len(jax.tree.leaves(batch)[0]))
+    jaxpr = jax.make_jaxpr(functools.partial(loss_fn, weights=weights))(params, state, batch, rng)
+    return "scan[" in str(jaxpr)
+
+
+# ------------------------------------------------------------------ linen, pmap's axis_name
+
+
+@functools.cache
+def imagenet_example():
+    """examples/imagenet_resnet.py's tiny ResNet and its variables: BatchNorm(axis_name="batch")."""
+    path = pathlib.Path(__file__).parents[1] / "examples" / "imagenet_resnet.py"
+    spec = importlib.util.spec_from_file_location("imagenet_resnet", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.make_tiny(3)[0]
+    init = bound(lambda x: model.init(jax.random.key(0, impl="rbg"), x))
+    return model, jax.jit(init)(BATCHES[0]["image"][:1])
+
+
+def bound(fn):
+    """``fn`` with the axis ``"batch"`` bound over its whole batch, as a one-device pmap."""
+    return lambda x: jax.tree.map(lambda a: a[0], jax.vmap(fn, axis_name="batch")(x[None]))
+
+
+@functools.cache
+def imagenet_reference():
+    """The hand-written loop: plain optax, groups of G in order, the axis bound per group."""
+    model, init = imagenet_example()
+    params, stats = init["params"], init["batch_stats"]
+
+    @jax.jit
+    def group_grad(params, stats, x, y):
+        def loss(p):
+            apply = bound(lambda x: model.apply(
+                {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+            ))  # fmt: skip
+            logits, new = apply(x)
+            return jnp.sum(cross_entropy(logits, y)) / T, new["batch_stats"]
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    opt_state = SGD.init(params)
+    for batch in BATCHES:
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for start in range(0, T, G):
+            part = slice(start, start + G)
+            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
+            grads = jax.tree.map(jnp.add, grads, g)
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
+@pytest.mark.parametrize("micro", [16, 32])
+def test_a_model_written_for_pmap_trains_as_a_loop_over_groups(micro):
+    model, init = imagenet_example()
+    loss_fn = linen_classifier_loss(
+        model, mutable=("batch_stats",), axis_name="batch", ghost_batch_size=G
+    )
+    trainer = ja.AdaptiveTrainer(
+        loss_fn, SGD, target_batch_size=T, micro_batch_size=micro, multiple_of=G,
+        has_aux=True, has_state=True,
+    )  # fmt: skip
+    state = trainer.init(
+        init["params"], BATCHES[0], model_state={"batch_stats": init["batch_stats"]}
+    )
+    for batch in BATCHES:
+        state, _ = trainer.step(state, batch)
+    params, stats = imagenet_reference()
+    assert_trees_close(state.model_state["batch_stats"], stats, 1e-5)
+    assert_trees_close(state.params, params, 1e-5)
 
 
 # ------------------------------------------------------------------ NNX
@@ -191,6 +289,27 @@ def test_a_custom_nnx_loss_gets_the_ghost_batches_too(micro):
     assert_trees_close(nnx.state(model, nnx.BatchStat), stats, 1e-5)
 
 
+def test_nnx_batchnorm_groups_side_by_side_train_as_the_sequential_form():
+    # NNX's BatchNorm stops the gradient of its running averages: the momentum must
+    # still be read, from the update itself
+    model, batches = NnxBnNet(rngs=nnx.Rngs(0)), vector_batches(3)
+    args = (nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat), batches[0], KEY)
+    assert not uses_scan(ja.ghost_batches(custom_nnx_loss(model), G), *args)
+    trained = []
+    for sequential in (False, True):
+        copy = nnx.clone(model)
+        loss_fn = ja.ghost_batches(custom_nnx_loss(copy), G, sequential=sequential)
+        trainer = NnxTrainer(
+            copy, SGD, target_batch_size=T, loss_fn=loss_fn, micro_batch_size=32, multiple_of=G
+        )
+        for batch in batches:
+            trainer.step(batch)
+        trained.append(copy)
+    side, scan = trained
+    assert_trees_close(nnx.state(side, nnx.Param), nnx.state(scan, nnx.Param), 1e-5)
+    assert_trees_close(nnx.state(side, nnx.BatchStat), nnx.state(scan, nnx.BatchStat), 1e-5)
+
+
 def test_ghost_batches_for_a_model_without_batch_statistics_are_refused():
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"ghost_batch_size=8 needs batch statistics"):
@@ -257,6 +376,59 @@ def test_groups_run_in_order_and_padding_groups_leave_the_state():
     padded = jnp.array([1, 1, 1, 1, 0, 0.0])  # the last group is padding
     _, state = ghost(1.0, {"mean": jnp.float32(0)}, {"x": x}, KEY, weights=padded)
     np.testing.assert_allclose(state["mean"], 0.5 * (0.5 * 1.0) + 0.5 * 4.0)
+
+
+def in_a_loop(loss_fn, state, x, weights, group_size):
+    """The reference: the groups one after another, a group of zero weights skipped."""
+    outs = []
+    for start in range(0, len(x), group_size):
+        out, new = loss_fn(1.0, state, {"x": x[start : start + group_size]}, KEY)
+        state = new if np.any(weights[start : start + group_size]) else state
+        outs.append(out)
+    return np.concatenate(outs), state
+
+
+def averages(params, state, batch, rng):
+    """Running averages of momentum 0.9, 1 (a float count) and 0 (the last group's mean)."""
+    mean = jnp.mean(batch["x"])
+    return (batch["x"] - mean) ** 2, {
+        "ema": 0.9 * state["ema"] + 0.1 * mean,
+        "count": state["count"] + 1.0,
+        "last": 0.0 * state["last"] + mean,
+    }
+
+
+def reads_its_state(params, state, batch, rng):  # as batch renormalisation's outputs do
+    return batch["x"] - state["mean"], {"mean": 0.5 * state["mean"] + 0.5 * jnp.mean(batch["x"])}
+
+
+def keeps_the_largest(params, state, batch, rng):  # not m * old + f
+    return batch["x"], {"max": jnp.maximum(state["max"], jnp.max(batch["x"]))}
+
+
+def counts_in_integers(params, state, batch, rng):
+    return batch["x"], {"n": state["n"] + 1}
+
+
+@pytest.mark.parametrize(
+    "loss_fn, state, side_by_side",
+    [
+        (averages, {"ema": 1.0, "count": 2.0, "last": 5.0}, True),
+        (reads_its_state, {"mean": 1.0}, False),
+        (keeps_the_largest, {"max": 3.0}, False),
+        (counts_in_integers, {"n": 0}, False),
+    ],
+)
+def test_groups_run_side_by_side_only_for_running_averages(loss_fn, state, side_by_side):
+    x = jnp.array([0.0, 2.0, 4.0, 4.0, 9.0, 7.0, 1.0, 5.0])
+    ghost = ja.ghost_batches(loss_fn, 2)
+    state = jax.tree.map(jnp.asarray, state)
+    assert uses_scan(ghost, 1.0, state, {"x": x}, KEY) != side_by_side
+    for weights in (np.ones(8), np.array([1, 1, 0, 0, 1, 1, 0, 0.0])):  # with padding groups
+        out, new = jax.jit(ghost)(1.0, state, {"x": x}, KEY, weights=jnp.asarray(weights))
+        expected_out, expected = in_a_loop(loss_fn, state, x, weights, 2)
+        np.testing.assert_allclose(out, expected_out, rtol=1e-6)
+        assert_trees_close(new, expected, 1e-6)
 
 
 def test_a_micro_batch_must_be_whole_groups():
