@@ -7,6 +7,7 @@ inside a trace or compile, or returns the value normalised (a NumPy int becomes 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -211,6 +212,34 @@ def check_device(device: Any) -> jax.Device | None:
             f"device must be a jax.Device such as jax.devices()[0], or None, got {_got(device)}."
         )
     return device
+
+
+def ghost_multiple(loss_fn: Any, multiple_of: int, targets: Iterable[int]) -> int:
+    """``multiple_of`` with a `jax_adaptive.ghost_batches` loss's groups in it.
+
+    A target batch that is not whole groups is refused: its padding rows would sit in the
+    last group's statistics.
+
+    Examples:
+        >>> def loss_fn(params, state, batch, rng): ...
+        >>> loss_fn.ghost_batch_size = 8
+        >>> ghost_multiple(loss_fn, 3, [48, 96])
+        24
+        >>> ghost_multiple(loss_fn, 1, [64, 100])
+        Traceback (most recent call last):
+        ValueError: target_batch_size=100 is not whole ghost batches of 8: its last group would normalize over padding rows; choose a target that is a multiple of 8.
+    """  # noqa: E501
+    ghost = getattr(loss_fn, "ghost_batch_size", None)
+    if ghost is None:
+        return multiple_of
+    for target in targets:
+        if target % ghost:
+            raise ValueError(
+                f"target_batch_size={target} is not whole ghost batches of {ghost}: its last "
+                f"group would normalize over padding rows; choose a target that is a "
+                f"multiple of {ghost}."
+            )
+    return math.lcm(multiple_of, ghost)
 
 
 def fixed_size(micro_batch_size: Any, multiple_of: int, T: int, shards: int) -> int | None:

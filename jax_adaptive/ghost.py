@@ -182,4 +182,5 @@ def ghost_batches(
             outs.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out))
         return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs), state
 
+    ghost_loss.ghost_batch_size = group_size  # what a trainer's multiple_of follows
     return ghost_loss

@@ -26,7 +26,7 @@ class NnxTrainer:
             ``nnx.BatchStat`` variables; None: `nnx_classifier_loss` in training mode.
         ghost_batch_size: BatchNorm over groups of this many examples, run side by side
             (`ghost_batches`, around ``loss_fn`` too); the trainer's ``multiple_of``
-            unless given.
+            follows it.
         rng: the trainer's base key; ``key(0)`` if None.
         **trainer_kwargs: `AdaptiveTrainer`'s other options.
 
@@ -71,8 +71,6 @@ class NnxTrainer:
                     "no nnx.BatchStat variables."
                 )
             loss_fn = ghost_batches(loss_fn, ghost_batch_size)
-        if ghost_batch_size is not None:
-            trainer_kwargs.setdefault("multiple_of", ghost_batch_size)
         self.trainer = AdaptiveTrainer(
             loss_fn, optimizer, target_batch_size=target_batch_size, has_state=self.has_state,
             **trainer_kwargs,

@@ -115,8 +115,11 @@ class AdaptiveTrainer:
         )
         self._cursor = ScheduleCursor(self.schedule, self.shards)
         T = self._cursor.size_at(0)
-        multiple_of = checks.positive_int("multiple_of", multiple_of)
         constant = self.schedule.constant is not None
+        targets = [T] if constant else [size for _, size in self.schedule.steps or ()]
+        multiple_of = checks.ghost_multiple(
+            loss_fn, checks.positive_int("multiple_of", multiple_of), targets
+        )
         fixed = checks.fixed_size(
             micro_batch_size, multiple_of if constant else 1,
             T if constant else checks.MAX_TARGET_BATCH_SIZE, self.shards,

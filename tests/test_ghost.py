@@ -479,3 +479,18 @@ def test_the_trainer_passes_weights_to_a_loss_that_declares_them():
     np.testing.assert_allclose(state.model_state["seen"], weights.sum(), rtol=1e-6)
     state, _ = trainer.step(state, batch)
     np.testing.assert_allclose(state.model_state["seen"], weights.sum() + 10, rtol=1e-6)
+
+
+def test_the_trainers_multiple_of_follows_the_ghost_batch_and_a_target_must_be_whole_groups():
+    loss_fn = linen_classifier_loss(MODEL, mutable=("batch_stats",), ghost_batch_size=G)
+
+    def trainer(target, **kwargs):
+        return ja.AdaptiveTrainer(
+            loss_fn, SGD, target_batch_size=target, has_aux=True, has_state=True, **kwargs
+        )
+
+    with pytest.raises(ValueError, match=f"target_batch_size=44 is not whole ghost batches of {G}"):
+        trainer(44)
+    with pytest.raises(ValueError, match=f"target_batch_size=20 is not whole ghost batches of {G}"):
+        trainer([(0, 16), (2, 20)])  # a schedule: every target batch
+    assert trainer(T, multiple_of=3)._planner.multiple_of == 24  # lcm(3, G)
