@@ -215,7 +215,10 @@ def test_a_mocked_tfds_dataset_trains_from_the_cli(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--dataset", "imagenet"], "unknown dataset 'imagenet'; use 'synthetic' or 'tfds:NAME'"),
+        (
+            ["--dataset", "imagenet"],
+            "unknown dataset 'imagenet'; use 'synthetic', 'synthetic:N' or",
+        ),
         (["--dataset", "tfds:mnist", "--data-dir", "/nonexistent"], "tfds build mnist"),
         (["--resume"], "--resume needs --workdir"),
         (["--target-tokens", "512"], "--target-tokens is for --model gpt"),
