@@ -377,17 +377,22 @@ class Placement:
             )
         return T // self.processes
 
-    def check_share(self, size: int, T: int) -> None:
-        """Raises on every process unless each passed its `share` of ``T`` (all must call it)."""
+    def check_share(self, size: int, T: int) -> int:
+        """This process's `share` of ``T``; raises on every process unless each passed it.
+
+        Every process must call it.
+        """
+        share = self.share(T)
         if self.processes == 1:
-            return
-        counts, share = _gather(size).tolist(), self.share(T)
+            return share
+        counts = _gather(size).tolist()
         if any(count != share for count in counts):
             raise ValueError(
                 f"each of the {self.processes} processes passes target_batch_size / processes "
                 f"= {T} / {self.processes} = {share} examples, but they passed {counts} "
                 "(in process order)."
             )
+        return share
 
     def micro_batch(self, tree: Any, split: int = 1) -> Any:
         """A micro-batch split over the data axis, or a chunk of ``split`` as ``[split, m, ...]``.

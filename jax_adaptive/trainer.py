@@ -322,8 +322,7 @@ class AdaptiveTrainer:
         T = self._cursor.size_at(updates)
         batch = checks.on_device(batch, self.device if self.mesh is None else None)
         scheduled = None if self.schedule.constant is not None else updates
-        self.placement.check_share(leading_size(batch), T)
-        share = self.placement.share(T)
+        share = self.placement.check_share(leading_size(batch), T)
         checks.check_batch(batch, weights, self._executables.example, share, scheduled)
         self._planner.set_target(T)
         out = self._updater.run(state, batch, weights)

@@ -1,6 +1,9 @@
 """Shared test fixtures: a small model, data, and the independent full-batch reference."""
 
+import importlib.util
+import pathlib
 import socket
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +74,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def load_example(name):
+    """``examples/<name>.py`` imported as a module, as a user runs it from the repository."""
+    path = pathlib.Path(__file__).parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its classes' module, as an import would set it
+    spec.loader.exec_module(module)
+    return module

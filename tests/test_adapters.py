@@ -1,23 +1,21 @@
 """The adapters take models written as Flax's own examples write them, with no glue.
 
-Two models are written here in the style of their sources (not copied): a ResNet in the
-style of the Flax ImageNet example (BatchNorm with ``axis_name="batch"``, written for
-``pmap``) and a CNN in the style of the NNX MNIST tutorial (Dropout given ``rngs`` at
-call time). Both train through the adapters unchanged and match a plain optax loop.
+Two models in the style of their sources (not copied): the ResNet of
+examples/imagenet_resnet.py, as the Flax ImageNet example writes one (BatchNorm with
+``axis_name="batch"``, written for ``pmap``), and a CNN here in the style of the NNX MNIST
+tutorial (Dropout given ``rngs`` at call time). Both train through the adapters
+unchanged and match a plain optax loop.
 """
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, full_batch_reference
+from helpers import assert_trees_close, full_batch_reference, load_example
 
 import jax_adaptive as ja
 from jax_adaptive import NnxTrainer
@@ -50,58 +48,10 @@ def image_batches(num, n, side=8, channels=3, classes=3, seed=0):
 # ------------------------------------------------------------------ linen, pmap style
 
 
-class PmapStyleBlock(nn.Module):
-    """A basic residual block taking its conv, norm and activation as module fields."""
-
-    filters: int
-    conv: Callable[..., Any]
-    norm: Callable[..., Any]
-    act: Callable[..., Any]
-    strides: tuple[int, int] = (1, 1)
-
-    @nn.compact
-    def __call__(self, x):
-        shortcut = x
-        y = self.act(self.norm()(self.conv(self.filters, (3, 3), self.strides)(x)))
-        y = self.norm(scale_init=nn.initializers.zeros_init())(self.conv(self.filters, (3, 3))(y))
-        if shortcut.shape != y.shape:
-            shortcut = self.conv(self.filters, (1, 1), self.strides, name="shortcut_conv")(x)
-            shortcut = self.norm(name="shortcut_norm")(shortcut)
-        return self.act(shortcut + y)
-
-
-class PmapStyleResNet(nn.Module):
-    """A ResNet whose BatchNorm averages over the ``"batch"`` axis that ``pmap`` names."""
-
-    stage_sizes: Sequence[int]
-    num_classes: int
-    num_filters: int = 4
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-        norm = functools.partial(
-            nn.BatchNorm,
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            dtype=self.dtype,
-            axis_name="batch",
-        )
-        x = conv(self.num_filters, (3, 3), name="stem")(x)
-        x = nn.relu(norm(name="stem_norm")(x))
-        for i, size in enumerate(self.stage_sizes):
-            for j in range(size):
-                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = PmapStyleBlock(
-                    self.num_filters * 2**i, conv=conv, norm=norm, act=nn.relu, strides=strides
-                )(x)
-        x = jnp.mean(x, axis=(1, 2))
-        return jnp.asarray(nn.Dense(self.num_classes, dtype=self.dtype)(x), self.dtype)
-
-
-PMAP_MODEL = PmapStyleResNet(stage_sizes=(1, 1), num_classes=3)
+# examples/imagenet_resnet.py: a ResNet as the Flax ImageNet example writes one
+PMAP_MODEL = load_example("imagenet_resnet").ResNet(
+    stage_sizes=(1, 1), num_classes=3, num_filters=4
+)
 
 
 def pmap_style_variables(batch):

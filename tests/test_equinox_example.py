@@ -1,19 +1,14 @@
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 import optax
 import pytest
+from helpers import load_example
 
 import jax_adaptive as ja
 from jax_adaptive.data import synthetic_images
 
 eqx = pytest.importorskip("equinox")
-_PATH = Path(__file__).parents[1] / "examples" / "equinox_model.py"
-spec = importlib.util.spec_from_file_location("equinox_model", _PATH)
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
+example = load_example("equinox_model")
 
 
 def test_the_equinox_adapter_gives_the_full_batch_update():

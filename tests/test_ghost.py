@@ -1,8 +1,6 @@
 """Ghost batches: BatchNorm training that does not depend on the micro-batch size."""
 
 import functools
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close
+from helpers import assert_trees_close, load_example
 
 import jax_adaptive as ja
 from jax_adaptive import NnxTrainer
@@ -46,11 +44,24 @@ def cross_entropy(logits, labels):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)[:, 0]
 
 
+def in_groups(params, stats, group_grad, batches):
+    """Plain optax: each batch's groups of G in order, gradients summed, one SGD update."""
+    opt_state = SGD.init(params)
+    for batch in batches:
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for start in range(0, T, G):
+            part = slice(start, start + G)
+            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
+            grads = jax.tree.map(jnp.add, grads, g)
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
 @functools.cache
 def reference():
     """Plain optax: groups of G in order, each a batch of the model's own BatchNorm."""
     params, stats = variables()["params"], variables()["batch_stats"]
-    opt_state = SGD.init(params)
 
     @jax.jit
     def group_grad(params, stats, x, y):
@@ -62,15 +73,7 @@ def reference():
 
         return jax.grad(loss, has_aux=True)(params)
 
-    for batch in BATCHES:
-        grads = jax.tree.map(jnp.zeros_like, params)
-        for start in range(0, T, G):
-            part = slice(start, start + G)
-            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
-            grads = jax.tree.map(jnp.add, grads, g)
-        updates, opt_state = SGD.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params, stats
+    return in_groups(params, stats, group_grad, BATCHES)
 
 
 def train_linen(ghost_batch_size, loss_fn=None, **trainer_kwargs):
@@ -134,11 +137,7 @@ def uses_scan(loss_fn, params, state, batch, rng):
 @functools.cache
 def imagenet_example():
     """examples/imagenet_resnet.py's tiny ResNet and its variables: BatchNorm(axis_name="batch")."""
-    path = pathlib.Path(__file__).parents[1] / "examples" / "imagenet_resnet.py"
-    spec = importlib.util.spec_from_file_location("imagenet_resnet", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model = module.make_tiny(3)[0]
+    model = load_example("imagenet_resnet").make_tiny(3)[0]
     init = bound(lambda x: model.init(jax.random.key(0, impl="rbg"), x))
     return model, jax.jit(init)(BATCHES[0]["image"][:1])
 
@@ -165,16 +164,7 @@ def imagenet_reference():
 
         return jax.grad(loss, has_aux=True)(params)
 
-    opt_state = SGD.init(params)
-    for batch in BATCHES:
-        grads = jax.tree.map(jnp.zeros_like, params)
-        for start in range(0, T, G):
-            part = slice(start, start + G)
-            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
-            grads = jax.tree.map(jnp.add, grads, g)
-        updates, opt_state = SGD.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params, stats
+    return in_groups(params, stats, group_grad, BATCHES)
 
 
 @pytest.mark.parametrize("micro", [16, 32])
@@ -224,7 +214,6 @@ def vector_batches(num):
 def nnx_reference(model, batches):
     """Plain optax on the NNX module: groups of G in order, BatchNorm state threaded."""
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    opt_state = SGD.init(params)
 
     @jax.jit
     def group_grad(params, stats, x, y):
@@ -236,15 +225,7 @@ def nnx_reference(model, batches):
 
         return jax.grad(loss, has_aux=True)(params)
 
-    for batch in batches:
-        grads = jax.tree.map(jnp.zeros_like, params)
-        for start in range(0, T, G):
-            part = slice(start, start + G)
-            g, stats = group_grad(params, stats, batch["image"][part], batch["label"][part])
-            grads = jax.tree.map(jnp.add, grads, g)
-        updates, opt_state = SGD.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params, stats
+    return in_groups(params, stats, group_grad, batches)
 
 
 @pytest.mark.parametrize("micro", [8, 32])

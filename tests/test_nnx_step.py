@@ -5,24 +5,17 @@ rate 0; the reference runs Flax's own ``nnx.value_and_grad`` and ``nnx.Optimizer
 batch's groups one after another, and never calls jax_adaptive.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import load_example
 
 import jax_adaptive as ja
 
-_PATH = Path(__file__).parents[1] / "examples" / "nnx_mnist.py"
-_spec = importlib.util.spec_from_file_location("nnx_mnist", _PATH)
-mnist = importlib.util.module_from_spec(_spec)
-sys.modules["nnx_mnist"] = mnist
-_spec.loader.exec_module(mnist)
+mnist = load_example("nnx_mnist")
 
 T, G = 40, 8  # the batch, the ghost batch
 BATCHES = list(mnist.random_batches(3, T))

@@ -244,8 +244,8 @@ def ghost_batch_size(config: TrainConfig, batch_norm: bool | None = None) -> int
     return size if size >= 8 else None
 
 
-def check_ghost(config: TrainConfig, batch_norm: bool) -> None:
-    """``--ghost-batch-size`` for a BatchNorm model only, dividing what it must.
+def check_ghost(config: TrainConfig, batch_norm: bool) -> int | None:
+    """The run's `ghost_batch_size`, ``--ghost-batch-size`` checked against the model and plan.
 
     The command line checks a zoo model's with the other flags, a user's model once loaded.
     """
@@ -266,6 +266,7 @@ def check_ghost(config: TrainConfig, batch_norm: bool) -> None:
          f"{ghost}, a --ghost-batch-size that divides {micro}, or --ghost-batch-size 0 "
          "(statistics per micro-batch: the training then depends on the device)."),
     )  # fmt: skip
+    return ghost
 
 
 def _refuse(*checks: tuple[bool, str]) -> None:

@@ -12,7 +12,7 @@ from jax_adaptive.data import synthetic_images
 
 __all__ = [
     "HELD_OUT_EXAMPLES", "ShuffledBatches", "Source", "SyntheticSource", "load_held_out",
-    "load_source",
+    "load_source", "shard_rows",
 ]  # fmt: skip
 
 HELD_OUT_EXAMPLES = 1024
@@ -130,6 +130,17 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+def shard_rows(n: int, shard: tuple[int, int]) -> slice:
+    """The rows of ``n`` that process ``index`` of ``count`` reads: ``shard=(index, count)``.
+
+    Examples:
+        >>> [shard_rows(10, (i, 3)) for i in range(3)]
+        [slice(0, 3, None), slice(3, 6, None), slice(6, 10, None)]
+    """
+    index, count = shard
+    return slice(n * index // count, n * (index + 1) // count)
+
+
 class ShuffledBatches:
     """Batches in the permutation of ``(seed, epoch)``; ``position`` counts examples drawn.
 
@@ -169,9 +180,8 @@ class ShuffledBatches:
 
     def __next__(self) -> dict[str, np.ndarray]:
         n, rows = len(self.source), []
-        (index, count), size = self.shard, self.batch_size
-        first = self.position + size * index // count
-        for i in range(first, self.position + size * (index + 1) // count):
+        own = shard_rows(self.batch_size, self.shard)
+        for i in range(self.position + own.start, self.position + own.stop):
             if self._order is None or self._order[0] != i // n:
                 order = np.random.default_rng([self.seed, i // n]).permutation(n)
                 self._order = (i // n, order)

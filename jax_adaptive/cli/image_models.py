@@ -61,8 +61,7 @@ def image_model(config: TrainConfig, num_classes: int, example: Any) -> ImageMod
         variables = _guarded(spec, "model.init", lambda: jax.eval_shape(
             lambda: module.init(jax.random.key(0), two["image"][:1], **init_kwargs)))  # fmt: skip
         mutable = tuple(name for name in variables if name != "params")
-        check_ghost(config, "batch_stats" in mutable)
-        ghost = ghost_batch_size(config, "batch_stats" in mutable)
+        ghost = check_ghost(config, "batch_stats" in mutable)
     else:
         module_type, mutable = IMAGE_MODELS[spec]
         module, ghost = module_type(num_classes=num_classes), ghost_batch_size(config)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_adaptive.cli.config import TrainConfig, check_config, ghost_batch_size, make_optimizer
-from jax_adaptive.cli.datasets import ShuffledBatches, load_held_out, load_source
+from jax_adaptive.cli.datasets import ShuffledBatches, load_held_out, load_source, shard_rows
 from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, plural, run_path
 from jax_adaptive.cli.workdir import Workdir, plan_entry
@@ -127,8 +127,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     held_out = None
     if config.eval_every:
         held_out = load_held_out(config.dataset, data_dir=config.data_dir, seed=config.seed)
-        n, p, P = len(held_out["label"]), jax.process_index(), jax.process_count()
-        held_out = {k: v[n * p // P : n * (p + 1) // P] for k, v in held_out.items()}  # its own
+        own = shard_rows(len(held_out["label"]), (jax.process_index(), jax.process_count()))
+        held_out = {k: v[own] for k, v in held_out.items()}  # this process's share
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
@@ -218,7 +218,7 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
     if config.batch_schedule is not None:
         run["batch_schedule"] = config.batch_schedule
     # BatchNorm's statistics are the training's (a user's model: if it has BatchNorm)
-    if (ghost := ghost_batch_size(config, True if ":" in config.model else None)) is not None:
+    if (ghost := ghost_batch_size(config, ":" in config.model or None)) is not None:
         run["ghost_batch_size"] = ghost
     # The stream's position after an update: the examples of the updates so far.
     per_update = config.target_batch_size if config.batch_schedule is None else (
