@@ -158,6 +158,13 @@ class ReadAhead:
         with interrupts_deferred() as held:
             while not (self._ready or self._finished or held):
                 self._ready = self._available.acquire(timeout=_POLL)
+                if not self._ready and not self._thread.is_alive():  # nothing can come now
+                    self._ready = self._available.acquire(blocking=False)
+                    if not self._ready:  # seen once under load: a failure, not a hang
+                        raise RuntimeError(
+                            "the read-ahead thread ended without handing over an item; "
+                            "please report this traceback."
+                        )
 
     def __next__(self) -> Any:
         if self._finished:
