@@ -22,7 +22,7 @@ from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded
 
-__all__ = ["AdaptiveStep", "StepBuilder"]
+__all__ = ["AdaptiveStep", "StepBuilder", "signature_of"]
 
 StepBuilder = Callable[[int], Callable[..., Any]]
 """``build_step(micro_batch_size) -> step``: your step for that (static) size, jitted
@@ -46,7 +46,7 @@ def _struct(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
 
 
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def signature_of(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a compiled step is specific to: the tree, the shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(x), str(jax.typeof(x).dtype)) for x in leaves)
@@ -212,7 +212,7 @@ class AdaptiveStep:
 
     def _plan(self, args: tuple[Any, ...]) -> None:
         """Plans for ``args`` when their shapes are new or the cap was raised; else nothing."""
-        signature = _signature(args)
+        signature = signature_of(args)
         if signature != self._signature:
             if not 0 <= self.batch_argnum < len(args):
                 raise ValueError(

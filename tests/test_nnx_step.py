@@ -89,10 +89,37 @@ def train(step, faults=None):
     return (model, optimizer, metrics), sizes
 
 
-def test_the_converted_example_equals_the_original_step_at_a_plan_that_does_not_divide():
+@pytest.mark.parametrize("size", [24, 16])
+def test_the_converted_example_trains_the_same_at_every_plan_by_default(size):
+    """Ghost batches of 8 by default (the largest divisor of 32 dividing 40): two plans,
+    one that does not divide the batch, give the original step's code over groups of 8."""
     step_fn = mnist.train_step.step_fn  # the example's step, converted as the guide shows
-    limit = limit_for(step_fn, 24)
-    step = ja.AdaptiveNnxStep(step_fn, memory_limit=limit, objective="max", plan_cache=False)
+    step = ja.AdaptiveNnxStep(
+        step_fn, memory_limit=limit_for(step_fn, size), objective="max", plan_cache=False
+    )
+    got, sizes = train(step)
+    assert sizes == [size] * 3
+    assert_same(got, reference([G] * (T // G)))
+
+
+@nnx.jit  # kept: AdaptiveNnxStep runs the Python function under it
+def own_statistics_step(model, optimizer, metrics, batch, rngs):
+    """The example's step with each micro-batch's own BatchNorm statistics, asked by name."""
+    grad_fn = ja.micro_batch_value_and_grad(
+        mnist.loss_fn, has_aux=True, ghost_batch_size="micro_batch"
+    )
+    (loss, logits), grads = grad_fn(model, batch, rngs)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def test_each_micro_batch_own_statistics_asked_by_name():
+    step = ja.AdaptiveNnxStep(
+        own_statistics_step,
+        memory_limit=limit_for(own_statistics_step, 24),
+        objective="max",
+        plan_cache=False,
+    )
     got, sizes = train(step)
     assert sizes == [24] * 3 and T % 24  # a plan that does not divide the batch
     assert_same(got, reference([24, 16]))  # BatchNorm over each micro-batch, in order
@@ -136,7 +163,7 @@ def test_ghost_batches_train_the_same_at_every_plan_and_after_an_out_of_memory()
 
 def test_without_a_plan_it_is_nnx_value_and_grad():
     model, optimizer, metrics, rngs = objects()
-    step = ja.AdaptiveNnxStep(mnist.train_step.step_fn, plan_cache=False)
+    step = ja.AdaptiveNnxStep(own_statistics_step, plan_cache=False)
     for batch in BATCHES:
         step(model, optimizer, metrics, batch, rngs)
     assert step.micro_batch_size == T
@@ -155,6 +182,7 @@ def test_without_a_plan_it_is_nnx_value_and_grad():
 def test_bad_input_is_refused_in_one_line(kwargs, match):
     model, batch, rngs = mnist.CNN(rngs=nnx.Rngs(0)), BATCHES[0], nnx.Rngs(0)
     with pytest.raises((ValueError, TypeError), match=match):
+        kwargs = {"micro_batch_size": 8, **kwargs}  # inside a step of 8, not whole-batch
         ja.micro_batch_value_and_grad(mnist.loss_fn, has_aux=True, **kwargs)(model, batch, rngs)
 
 
