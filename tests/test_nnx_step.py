@@ -5,6 +5,8 @@ rate 0; the reference runs Flax's own ``nnx.value_and_grad`` and ``nnx.Optimizer
 batch's groups one after another, and never calls jax_adaptive.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,103 @@ def test_call_time_rngs_give_each_micro_batch_its_own_dropout_keys():
     assert len({row.tobytes() for row in kept}) == 4  # four micro-batches, four masks
     assert int(rngs.dropout.count[...]) == 4  # the caller's Rngs moved on once per call
     np.testing.assert_allclose(grads["scale"][...], loss, rtol=1e-6)  # d mean(s x m) / ds
+
+
+class _FailedRun:
+    """An out-of-memory at chosen runs, as XLA leaves a failed run: what it donates deleted."""
+
+    def __init__(self, step, runs):
+        self.step, self.runs, self.seen, self.fired = step, runs, 0, []
+
+    def before_compile(self, size):
+        pass
+
+    def before_execution(self, size, args):
+        self.seen += 1
+        if self.seen not in self.runs:
+            return
+        donated = getattr(args, "donated", None)
+        if donated is None:  # the gradient's run: what its compiled program donates
+            infos = jax.tree.leaves(self.step.step.compile(size).args_info[0])
+            donated = [x for x, i in zip(jax.tree.leaves(args), infos, strict=True) if i.donated]
+        for leaf in donated:
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        self.fired.append((self.seen, size))
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
+
+
+def _values(objects):
+    return [np.asarray(x) for o in objects for x in jax.tree.leaves(nnx.state(o))]
+
+
+def test_an_out_of_memory_at_a_size_that_ran_leaves_every_variable_and_trains_on():
+    step_fn = mnist.train_step.step_fn
+    step = ja.AdaptiveNnxStep(step_fn, memory_limit=limit_for(step_fn, 24), plan_cache=False)
+    model, optimizer, metrics, rngs = objects()
+    for batch in BATCHES[:2]:
+        step(model, optimizer, metrics, batch, rngs)
+    trusted, before = step.micro_batch_size, _values((model, optimizer, metrics))
+    # the gradient's run at the size that ran twice, then the update, run out of memory
+    step.fault_hook = faults = _FailedRun(step, runs={1, 3})
+    with pytest.raises(ja.OptimizerStepOutOfMemory):
+        step(model, optimizer, metrics, BATCHES[2], rngs)
+    assert faults.fired[0] == (1, trusted) and len(faults.fired) == 2
+    for got, want in zip(_values((model, optimizer, metrics)), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # every variable readable, as it was
+    step(model, optimizer, metrics, BATCHES[2], rngs)  # trains on from there
+    assert_same((model, optimizer, metrics), reference([G] * (T // G)))
+
+
+@pytest.fixture
+def said():
+    """The jax_adaptive logger's records while the test runs."""
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jax_adaptive").addHandler(handler)
+    yield records
+    logging.getLogger("jax_adaptive").removeHandler(handler)
+
+
+def _linear_objects():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+def _mean_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+_LINEAR_BATCH = {"x": np.ones((6, 3), np.float32), "y": np.zeros((6, 2), np.float32)}
+
+
+def test_a_step_that_never_micro_batches_says_so_once_and_runs_as_nnx_jit(said):
+    def keeps_nnx_value_and_grad(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_mean_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    step = ja.AdaptiveNnxStep(keeps_nnx_value_and_grad, memory_limit=10**6, plan_cache=False)
+    model, optimizer = _linear_objects()
+    want_model, want_optimizer = _linear_objects()
+    for _ in range(2):
+        step(model, optimizer, _LINEAR_BATCH)
+        nnx.jit(keeps_nnx_value_and_grad)(want_model, want_optimizer, _LINEAR_BATCH)
+    lines = [r.getMessage() for r in said if "never calls" in r.getMessage()]
+    assert len(lines) == 1 and "ja.micro_batch_value_and_grad" in lines[0]
+    assert step.search_log == [] and step.micro_batch_size == 6  # no search: the whole batch
+    np.testing.assert_allclose(model.kernel[...], want_model.kernel[...], rtol=1e-6)
+
+
+def test_micro_batch_value_and_grad_outside_the_adaptive_step_warns_once():
+    model, optimizer = _linear_objects()
+
+    @nnx.jit  # kept by mistake: nothing plans a micro-batch
+    def step(model, optimizer, batch):
+        _, grads = ja.micro_batch_value_and_grad(_mean_loss)(model, batch)
+        optimizer.update(model, grads)
+
+    with pytest.warns(UserWarning, match="outside ja.AdaptiveNnxStep") as warned:
+        for _ in range(3):
+            step(model, optimizer, _LINEAR_BATCH)
+    assert len(warned) == 1
