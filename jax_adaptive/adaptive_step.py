@@ -20,7 +20,7 @@ from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded
+from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded, log
 
 __all__ = ["AdaptiveStep", "StepBuilder", "signature_of"]
 
@@ -225,10 +225,11 @@ class AdaptiveStep:
                 own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
                 self.sizing.measure_others(own)
                 size = self._program.cached(self._batch_size, "init")
-                self._use(size if size is not None else self._largest("init"))
+                reason = "from the plan cache" if size is not None else None
+                self._use(size if size is not None else self._largest("init"), reason)
         if self._replan:
             self._replan = False
-            self._use(self._largest("memory limit raised"))
+            self._use(self._largest("memory limit raised"), "the memory limit was raised")
 
     def _sized(self, args: tuple[Any, ...], signature: Hashable) -> Sized:
         """What the engine needs of the step for arguments like ``args``."""
@@ -271,9 +272,13 @@ class AdaptiveStep:
             return least_padding_size(self._batch_size, largest, self.multiple_of)
         return largest
 
-    def _use(self, size: int) -> None:
+    def _use(self, size: int, why: str | None) -> None:
+        """Runs ``size`` from now on; a changed plan is one line on the ``jax_adaptive`` logger."""
+        before = self._program.size
         self._program.use(size)
         self._program.store(size, batch_size=self._batch_size)
+        if size != before:
+            log.info("plan%s: %s", f" ({why})" if why else "", self.plan_info)
 
     # ------------------------------------------------------------ the guarded call
 
@@ -301,7 +306,7 @@ class AdaptiveStep:
             try:
                 lo = self.multiple_of
                 largest = self._program.shrink(error, size, reason="call", multiple_of=lo, least=lo)
-                self._use(self._trimmed(largest))
+                self._use(self._trimmed(largest), f"{size} ran out of memory")
             except NothingFitsError as exc:
                 exc.arguments = args  # intact: the caller's own may have been donated
                 raise

@@ -218,6 +218,16 @@ def test_call_time_rngs_give_each_micro_batch_its_own_dropout_keys():
     np.testing.assert_allclose(grads["scale"][...], loss, rtol=1e-6)  # d mean(s x m) / ds
 
 
+@pytest.fixture
+def said():
+    """The jax_adaptive logger's records while the test runs."""
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jax_adaptive").addHandler(handler)
+    yield records
+    logging.getLogger("jax_adaptive").removeHandler(handler)
+
+
 class _FailedRun:
     """An out-of-memory at chosen runs, as XLA leaves a failed run: what it donates deleted."""
 
@@ -246,13 +256,17 @@ def _values(objects):
     return [np.asarray(x) for o in objects for x in jax.tree.leaves(nnx.state(o))]
 
 
-def test_an_out_of_memory_at_a_size_that_ran_leaves_every_variable_and_trains_on():
+def test_an_out_of_memory_at_a_size_that_ran_leaves_every_variable_and_trains_on(said):
     step_fn = mnist.train_step.step_fn
     step = ja.AdaptiveNnxStep(step_fn, memory_limit=limit_for(step_fn, 24), plan_cache=False)
+    said.clear()  # the probe's
     model, optimizer, metrics, rngs = objects()
     for batch in BATCHES[:2]:
         step(model, optimizer, metrics, batch, rngs)
     trusted, before = step.micro_batch_size, _values((model, optimizer, metrics))
+    plans = [r.getMessage() for r in said if r.getMessage().startswith("plan")]
+    assert plans == [f"plan: {step.plan_info}"], plans  # one line, once
+    assert plans[0].startswith("plan: micro-batch 24 x 2 micro-steps (searched")
     # the gradient's run at the size that ran twice, then the update, run out of memory
     step.fault_hook = faults = _FailedRun(step, runs={1, 3})
     with pytest.raises(ja.OptimizerStepOutOfMemory):
@@ -261,17 +275,9 @@ def test_an_out_of_memory_at_a_size_that_ran_leaves_every_variable_and_trains_on
     for got, want in zip(_values((model, optimizer, metrics)), before, strict=True):
         np.testing.assert_array_equal(got, want)  # every variable readable, as it was
     step(model, optimizer, metrics, BATCHES[2], rngs)  # trains on from there
+    plans = [r.getMessage() for r in said if r.getMessage().startswith("plan")]
+    assert len(plans) == 2 and plans[1].startswith("plan (24 ran out of memory): micro-batch")
     assert_same((model, optimizer, metrics), reference([G] * (T // G)))
-
-
-@pytest.fixture
-def said():
-    """The jax_adaptive logger's records while the test runs."""
-    records, handler = [], logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("jax_adaptive").addHandler(handler)
-    yield records
-    logging.getLogger("jax_adaptive").removeHandler(handler)
 
 
 def _linear_objects():
