@@ -28,7 +28,9 @@ class NnxTrainer:
             (`ghost_batches`, around ``loss_fn`` too); the trainer's ``multiple_of``
             follows it.
         rng: the trainer's base key; ``key(0)`` if None.
-        **trainer_kwargs: `AdaptiveTrainer`'s other options.
+        **trainer_kwargs: `AdaptiveTrainer`'s other options; ``normalizer=fn`` for a loss
+            divided by a count the data decides (``loss_fn`` then gives each example's
+            sum, e.g. its tokens' losses: docs/flax.md).
 
     Attributes:
         trainer: the `AdaptiveTrainer` (its plan, ``search_log``, ``set_memory_limit``).

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Normalizer", "denominator", "host_denominator", "normalizer_problem"]
+__all__ = [
+    "Normalizer",
+    "denominator",
+    "host_count",
+    "host_denominator",
+    "normalizer_problem",
+]
 
 Normalizer = Callable[[Any], Any]
 """``fn(batch) -> scalar``: the number a batch-mean loss divides by (its real tokens,
@@ -63,6 +69,24 @@ def normalizer_problem(value: float) -> str | None:
     )
 
 
+def host_count(normalizer: Normalizer, batch: Any) -> float:
+    """``normalizer(batch)`` on the host: finite and at least 0 (0: padding only), or one line.
+
+    Examples:
+        >>> import numpy as np
+        >>> host_count(lambda b: b["w"].sum(), {"w": np.zeros(2)})
+        0.0
+    """
+    value = np.asarray(normalizer(batch))
+    if value.shape != ():
+        denominator(lambda _: value, None)  # raises, naming the shape
+    count = float(value)
+    problem = normalizer_problem(count)
+    if problem is not None:
+        raise ValueError(problem)
+    return count
+
+
 def host_denominator(normalizer: Normalizer, batch: Any) -> float:
     """``normalizer(batch)`` on the host, checked: a positive finite number, or one line.
 
@@ -75,13 +99,7 @@ def host_denominator(normalizer: Normalizer, batch: Any) -> float:
         ...
         ValueError: normalizer returned 0.0 for the whole batch: nothing in it counts ...
     """
-    value = np.asarray(normalizer(batch))
-    if value.shape != ():
-        denominator(lambda _: value, None)  # raises, naming the shape
-    total = float(value)
-    problem = normalizer_problem(total)
-    if problem is not None:
-        raise ValueError(problem)
+    total = host_count(normalizer, batch)
     if total == 0:
         raise ValueError(
             "normalizer returned 0.0 for the whole batch: nothing in it counts (all padding?)."

@@ -8,15 +8,17 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 
 from jax_adaptive import checks
 from jax_adaptive.data import Rebatcher, leading_size
-from jax_adaptive.distributed import Agreement, Placement, place, while_all
+from jax_adaptive.distributed import Agreement, Placement, place, process_sum, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.loop import fit_loop
 from jax_adaptive.memory import Ledger
+from jax_adaptive.normalizer import Normalizer, host_count
 from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
@@ -60,6 +62,10 @@ class AdaptiveTrainer:
         global_batches: under ``jax.distributed``, every process passes the whole
             target batch and keeps its rows, instead of its own share
             (`process_batch_size` rows, the default: docs/devices.md).
+        normalizer: ``fn(batch) -> count``: the update divides the summed losses by the
+            batch's count (its real tokens, over every process) instead of
+            ``target_batch_size``: ``loss_fn`` then returns each example's sum (its tokens'
+            losses summed), and a token weighs the same in every batch and plan.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -100,6 +106,7 @@ class AdaptiveTrainer:
         memory_prior: tuple[float, float] | None = None,
         sizing: Sizing | None = None,
         global_batches: bool = False,
+        normalizer: Normalizer | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -108,6 +115,9 @@ class AdaptiveTrainer:
                 "optimizer must be an optax.GradientTransformation (with init and update), "
                 f"got {type(optimizer).__name__}."
             )
+        if normalizer is not None and not callable(normalizer):
+            raise TypeError(f"normalizer must be a function of the batch, got {normalizer!r}.")
+        self.normalizer = normalizer
         self.schedule = BatchSchedule(target_batch_size)
         self.optimizer = optimizer
         self.placement = Placement(
@@ -301,7 +311,8 @@ class AdaptiveTrainer:
             batch: a pytree of arrays (NumPy or jax) with that leading size; under
                 ``jax.distributed``, this process's rows: `process_batch_size` of them.
             weights: per-example weights (None: all 1): the update follows
-                ``sum(weights * losses) / target_batch_size``.
+                ``sum(weights * losses) / target_batch_size`` (``/ normalizer(batch)``
+                with a ``normalizer``).
 
         Returns:
             ``(state, metrics)``: ``loss`` (the weighted mean, a device scalar), each aux
@@ -320,6 +331,8 @@ class AdaptiveTrainer:
         self._require_init()
         updates = self._cursor.updates_of(state.updates)
         T = self._cursor.size_at(updates)
+        if self.normalizer is not None:
+            weights = self._normalized(batch, weights, T)
         batch = checks.on_device(batch, self.device if self.mesh is None else None)
         scheduled = None if self.schedule.constant is not None else updates
         share = self.placement.check_share(leading_size(batch), T)
@@ -328,6 +341,23 @@ class AdaptiveTrainer:
         out = self._updater.run(state, batch, weights)
         self._cursor.stepped(out[0].updates, updates + 1)
         return out
+
+    def _normalized(self, batch: Batch, weights: Any, T: int) -> np.ndarray:
+        """``weights`` (1 by default) times ``T / count``: the update divides by the count."""
+        count = host_count(self.normalizer, batch)
+        if self.placement.processes > 1:  # a token weighs the same on every process
+            if count != int(count):
+                raise ValueError(
+                    f"normalizer returned {count}: under several processes it must count "
+                    "(an integer), so that the processes can add their counts up."
+                )
+            count = float(process_sum(int(count)))
+        if count == 0:
+            raise ValueError(
+                "normalizer returned 0 for the whole batch: nothing in it counts (all padding?)."
+            )
+        ones = np.ones(leading_size(batch), np.float32) if weights is None else weights
+        return np.asarray(ones, np.float32) * np.float32(T / count)
 
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
         """The `Evaluator` kept for ``metric_fn``, sharing the trainer's device, limit and cache."""

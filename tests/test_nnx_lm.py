@@ -167,3 +167,27 @@ def test_a_bad_normalizer_is_one_line_and_nothing_is_applied(normalizer, match):
         step(model, optimizer, {"x": np.ones((8, 3), np.float32)})
     assert "\n" not in str(error.value)
     np.testing.assert_array_equal(model.kernel[...], before)
+
+
+def test_nnx_trainer_with_a_normalizer_equals_the_original(reference):
+    model = objects()[0]
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def per_sequence_loss(params, batch, rng):  # each sequence's summed token losses
+        model = nnx.merge(graphdef, params, rest)
+        inputs, targets = batch["inputs"], batch["targets"]
+        weights = jnp.where(targets > lm.PAD_ID, 1, 0).astype(jnp.float32)
+        logits = model(inputs, lm.make_causal_attn_mask(inputs > lm.PAD_ID))
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return (losses * weights).sum(axis=1)
+
+    trainer = ja.NnxTrainer(
+        model, optax.sgd(0.3, momentum=0.9), target_batch_size=T, loss_fn=per_sequence_loss,
+        micro_batch_size=5, normalizer=lm.count_tokens, plan_cache=False,
+    )  # fmt: skip
+    losses = [float(trainer.step(batch)["loss"]) for batch in BATCHES]
+    (want_model, _), want_losses = reference
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+    got, want = nnx.state(model, nnx.Param), nnx.state(want_model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
