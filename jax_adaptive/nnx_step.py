@@ -24,6 +24,7 @@ from jax_adaptive import checks
 from jax_adaptive.adaptive_step import AdaptiveStep
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import NothingFitsError
+from jax_adaptive.ghost import over_groups
 from jax_adaptive.sizing import forwarded
 
 __all__ = ["AdaptiveNnxStep", "micro_batch_value_and_grad"]
@@ -147,18 +148,14 @@ def micro_batch_value_and_grad(
             return (loss, aux), nnx.split(objects, diff, ...)[2]
 
         def micro(params: Any, rest: Any, part: Any) -> tuple[Any, Any]:
-            """A micro-batch's mean loss, its (aux, state): its ghost batches in order."""
+            """A micro-batch's mean loss, its (aux, state): its ghost batches as in order."""
             size, g = leading_size(part), ghost_batch_size or leading_size(part)
-            if size == g:
-                (loss, aux), rest = call(params, rest, part)
-                return loss, (aux, rest)
-
-            def group(rest: Any, rows: Any) -> tuple[Any, Any]:
-                (loss, aux), rest = call(params, rest, rows)
-                return rest, (loss, aux)
-
             groups = jax.tree.map(lambda x: x.reshape(size // g, g, *x.shape[1:]), part)
-            rest, (losses, aux) = jax.lax.scan(group, rest, groups)
+            # ghost_batches' own grouping: side by side where the state's update is proven
+            # affine (BatchNorm's running averages), in order otherwise (Dropout's keys)
+            (losses, aux), rest = over_groups(
+                lambda rest, rows: call(params, rest, rows), rest, groups
+            )
             aux = jax.tree.map(lambda x: _flat(x) if x.ndim > 1 else x.mean(), aux)
             return losses.mean(), (aux, rest)
 
