@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from jax_adaptive.data import leading_size
 
@@ -243,28 +244,34 @@ def _side_by_side(fn: GroupFn, state: Any, xs: Any, keep: Any, kinds: Sequence[s
 # function affine (``max(old, x)`` is affine on either side of x). The traced program is
 # the function itself: an abstract interpretation over its equations, decided once when
 # the loss is traced (no run-time cost, no second program), is sound by induction on the
-# equations. Each value is one of: independent of the state (None); ``_Leaf(k)``: equal,
-# elementwise, to ``a * old[k] + b`` for arrays ``a``, ``b`` independent of the state, and
-# of leaf ``k``'s shape (``same``: exactly ``old[k]``); ``_BAD``: anything else. Only
-# primitives that keep that form propagate it (below); any other primitive that reads the
-# state, control flow that branches or loops on it, or a mix of two leaves, gives _BAD.
-# Floating rounding aside, the side-by-side composition is then the in-order result.
+# equations. Each value is one of: independent of the state (None); a `_Leaf`: equal,
+# elementwise, to ``a * old[k].flat[at] + b`` with ``a``, ``b`` independent of the state
+# and ``at`` known when traced (which element of leaf ``k`` each element reads: moved by
+# reshapes, broadcasts, slices, as a pmap axis bound by a size-1 vmap moves them);
+# ``_BAD``: anything else. Only the primitives below keep that form; any other primitive
+# that reads the state (max, min, clamp, exp, a dot), a choice or a loop on the state,
+# ``old * old``, or two leaves (or two elements) mixed gives _BAD. A new leaf whose
+# ``at`` is every element in place is ``m * old + f`` elementwise: floating rounding
+# aside, the side-by-side composition is then the in-order result.
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False, frozen=True)
 class _Leaf:
+    """``a * old[k].flat[at] + b`` (``at`` None: each element in place; ``same``: a = 1, b = 0)."""
+
     k: int
     same: bool = False
+    at: np.ndarray | None = None
 
 
 _BAD = "depends on the state in a way not proven affine"
 _KEEP = {"stop_gradient", "copy", "copy_p", "optimization_barrier"}  # each output its input
-_RESHAPE = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims"}  # kept only shape to shape
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
-    "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin", "named_call",
+    "custom_vjp_call", "custom_vjp_call_jaxpr", "named_call",
 }  # fmt: skip
 _LINEAR = {"neg", "add", "sub", "add_any", "mul", "div", "select_n"}
+_MOVES = 1 << 22  # elements of a leaf whose moves are followed (an index each, when traced)
 
 
 def _update_kinds(fn: GroupFn, state: Any, x: Any) -> tuple[str, ...] | None:
@@ -287,10 +294,10 @@ def _update_kinds(fn: GroupFn, state: Any, x: Any) -> tuple[str, ...] | None:
         return None  # the outputs read the state (batch renormalisation, Dropout's key count)
     kinds = []
     for k, (c, aval) in enumerate(zip(classes[n_out:], avals, strict=True)):
-        floating = jnp.issubdtype(aval.dtype, jnp.floating)
-        if isinstance(c, _Leaf) and c.k == k and c.same:
+        in_place = isinstance(c, _Leaf) and c.k == k and _in_place(c, aval.shape, avals)
+        if in_place and c.same:
             kinds.append("same")
-        elif floating and (c is None or (isinstance(c, _Leaf) and c.k == k)):
+        elif jnp.issubdtype(aval.dtype, jnp.floating) and (c is None or in_place):
             kinds.append("affine")
         else:
             return None
@@ -322,34 +329,87 @@ def _rule(eqn: jex.JaxprEqn, ins: list[Any], avals: Sequence[Any]) -> list[Any]:
         return _propagate(sub, ins, avals)
     if name in _KEEP and n == len(ins):
         return list(ins)
-    leaves = {c.k for c in ins if c is not None}
+    reads = [c for c in ins if c is not None]
     out = eqn.outvars[0].aval
-    k = leaves.pop()
-    if leaves or n != 1 or out.shape != avals[k].shape:
-        return [_BAD] * n  # two leaves mixed, or the leaf's elements moved
-    if not all(
-        c is None or v.aval.shape == out.shape for c, v in zip(ins, eqn.invars, strict=True)
-    ):
-        return [_BAD]  # the state broadcast
-    if name in _RESHAPE or name == "convert_element_type":
-        if ins[0] is None or any(c is not None for c in ins[1:]):
+    if n != 1 or any(c.k != reads[0].k for c in reads):
+        return [_BAD] * n  # two leaves mixed
+    first = ins[0]
+    if name == "convert_element_type":
+        old, leaf = eqn.invars[0].aval.dtype, avals[first.k].dtype
+        if out.dtype == old:
+            return [first]
+        return [_Leaf(first.k, False, first.at) if _wide_float(old, out.dtype, leaf) else _BAD]
+    if name in _MOVE_RULES:
+        if first is None or len(reads) > 1 or avals[first.k].size > _MOVES:
             return [_BAD]
-        dtype = eqn.invars[0].aval.dtype
-        if out.dtype == dtype:
-            return [ins[0]]
-        if name == "convert_element_type" and _wide_float(dtype, out.dtype, avals[k].dtype):
-            return [_Leaf(k)]
-        return [_BAD]
+        at = _MOVE_RULES[name](_positions(first, avals), **eqn.params)
+        return [_Leaf(first.k, first.same, at)]
     if name not in _LINEAR or not jnp.issubdtype(out.dtype, jnp.floating):
         return [_BAD]
-    reads = [c is not None for c in ins]
-    if name == "mul" and sum(reads) > 1:  # old * old
+    operands = [(c, v.aval.shape) for c, v in zip(ins, eqn.invars, strict=True) if c is not None]
+    if any(shape != out.shape for _, shape in operands):
+        return [_BAD]  # the state broadcast by the operation itself
+    if len(reads) > 1 and not all(_same_at(c, reads[0], avals) for c in reads[1:]):
+        return [_BAD]  # two elements of a leaf mixed
+    if name == "mul" and len(reads) > 1:  # old * old
         return [_BAD]
-    if name == "div" and reads[1]:  # f / old
+    if name == "div" and ins[1] is not None:  # f / old
         return [_BAD]
-    if name == "select_n" and reads[0]:  # a choice by the state (max, clip written as where)
+    if name == "select_n" and ins[0] is not None:  # a choice by the state (max or clip as where)
         return [_BAD]
-    return [_Leaf(k)]
+    return [_Leaf(reads[0].k, False, reads[0].at)]
+
+
+def _positions(c: _Leaf, avals: Sequence[Any]) -> np.ndarray:
+    """The flat index in leaf ``c.k`` each element of ``c`` reads."""
+    if c.at is not None:
+        return c.at
+    shape = avals[c.k].shape
+    return np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+
+
+def _in_place(c: _Leaf, shape: tuple[int, ...], avals: Sequence[Any]) -> bool:
+    """Whether every element of ``c`` reads its own place in a leaf of ``shape``."""
+    if c.at is None:
+        return avals[c.k].shape == shape
+    return c.at.shape == shape and np.array_equal(c.at.ravel(), np.arange(c.at.size))
+
+
+def _same_at(a: _Leaf, b: _Leaf, avals: Sequence[Any]) -> bool:
+    if a.at is None and b.at is None:
+        return True
+    return np.array_equal(_positions(a, avals), _positions(b, avals))
+
+
+def _broadcast(at: np.ndarray, *, shape: Sequence[int], broadcast_dimensions: Sequence[int],
+               **_: Any) -> np.ndarray:  # fmt: skip
+    kept = [1] * len(shape)
+    for axis, size in zip(broadcast_dimensions, at.shape, strict=True):
+        kept[axis] = size
+    return np.broadcast_to(at.reshape(kept), tuple(shape))
+
+
+def _reshape(at: np.ndarray, *, new_sizes: Sequence[int], dimensions: Any, **_: Any) -> np.ndarray:
+    if dimensions is not None:
+        at = at.transpose(dimensions)
+    return at.reshape(tuple(new_sizes))
+
+
+def _slice(at: np.ndarray, *, start_indices: Sequence[int], limit_indices: Sequence[int],
+           strides: Sequence[int] | None, **_: Any) -> np.ndarray:  # fmt: skip
+    strides = strides or [1] * at.ndim
+    return at[tuple(map(slice, start_indices, limit_indices, strides))]
+
+
+# Primitives that only move elements: each output element reads one input element.
+_MOVE_RULES: dict[str, Callable[..., np.ndarray]] = {
+    "broadcast_in_dim": _broadcast,
+    "reshape": _reshape,
+    "squeeze": lambda at, *, dimensions, **_: at.squeeze(tuple(dimensions)),
+    "transpose": lambda at, *, permutation, **_: at.transpose(tuple(permutation)),
+    "slice": _slice,
+    "rev": lambda at, *, dimensions, **_: np.flip(at, tuple(dimensions)),
+}
 
 
 def _wide_float(old: Any, new: Any, leaf: Any) -> bool:
