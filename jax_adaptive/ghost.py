@@ -265,7 +265,9 @@ class _Leaf:
 
 
 _BAD = "depends on the state in a way not proven affine"
-_KEEP = {"stop_gradient", "copy", "copy_p", "optimization_barrier"}  # each output its input
+_KEEP = {  # each output its input
+    "stop_gradient", "copy", "copy_p", "optimization_barrier", "sharding_constraint",
+}  # fmt: skip
 _CALLS = {
     "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
     "custom_vjp_call", "custom_vjp_call_jaxpr", "named_call",
@@ -330,9 +332,9 @@ def _rule(eqn: jex.JaxprEqn, ins: list[Any], avals: Sequence[Any]) -> list[Any]:
     if name in _KEEP and n == len(ins):
         return list(ins)
     reads = [c for c in ins if c is not None]
-    out = eqn.outvars[0].aval
     if n != 1 or any(c.k != reads[0].k for c in reads):
-        return [_BAD] * n  # two leaves mixed
+        return [_BAD] * n  # two leaves mixed, or an operation not below
+    out = eqn.outvars[0].aval
     first = ins[0]
     if name == "convert_element_type":
         old, leaf = eqn.invars[0].aval.dtype, avals[first.k].dtype
