@@ -29,6 +29,7 @@ from jax_adaptive import checks
 from jax_adaptive.adaptive_step import AdaptiveStep, signature_of
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import OptimizerStepOutOfMemory, SimulatedOutOfMemory, catch_oom
+from jax_adaptive.ghost import over_groups
 from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
 from jax_adaptive.normalizer import Normalizer, denominator, normalizer_problem
 from jax_adaptive.sizing import compile_measured
@@ -185,8 +186,9 @@ def micro_batch_value_and_grad(
         wrt: the filter of its variables differentiated.
         micro_batch_size: examples per micro-batch (static); None: the size
             `AdaptiveNnxStep` planned, or the whole batch outside one (with a warning).
-        ghost_batch_size: BatchNorm over consecutive groups of this many examples, in
-            order, whatever the micro-batch (the batch and the micro-batch whole groups).
+        ghost_batch_size: BatchNorm over consecutive groups of this many examples, as in
+            order (side by side where that is proven exact: `jax_adaptive.ghost_batches`),
+            whatever the micro-batch (the batch and the micro-batch whole groups).
             ``"auto"``: for a model with ``nnx.BatchStat`` variables, the largest divisor
             of `GHOST_DEFAULT` that divides the batch (at least 8), so every device trains
             the same model; ``"micro_batch"``: each micro-batch's own statistics.
@@ -262,18 +264,14 @@ def micro_batch_value_and_grad(
             return (loss, aux), nnx.split(objects, diff, ...)[2]
 
         def micro(params: Any, rest: Any, part: Any) -> tuple[Any, Any]:
-            """A micro-batch's mean loss, its (aux, state): its ghost batches in order."""
+            """A micro-batch's mean loss, its (aux, state): its ghost batches as in order."""
             size, g = leading_size(part), ghost or leading_size(part)
-            if size == g:
-                (loss, aux), rest = call(params, rest, part)
-                return loss, (aux, rest)
-
-            def group(rest: Any, rows: Any) -> tuple[Any, Any]:
-                (loss, aux), rest = call(params, rest, rows)
-                return rest, (loss, aux)
-
             groups = jax.tree.map(lambda x: x.reshape(size // g, g, *x.shape[1:]), part)
-            rest, (losses, aux) = jax.lax.scan(group, rest, groups)
+            # ghost_batches' own grouping: side by side where the state's update is proven
+            # affine (BatchNorm's running averages), in order otherwise (Dropout's keys)
+            (losses, aux), rest = over_groups(
+                lambda rest, rows: call(params, rest, rows), rest, groups
+            )
             aux = jax.tree.map(lambda x: _flat(x) if x.ndim > 1 else x.mean(), aux)
             return losses.mean(), (aux, rest)
 

@@ -24,9 +24,9 @@ class NnxTrainer:
     Args:
         loss_fn: a per-example loss, taking the model state when the model has
             ``nnx.BatchStat`` variables; None: `nnx_classifier_loss` in training mode.
-        ghost_batch_size: BatchNorm over groups of this many examples, run side by side
-            (`ghost_batches`, around ``loss_fn`` too); the trainer's ``multiple_of``
-            follows it.
+        ghost_batch_size: BatchNorm over groups of this many examples, side by side
+            where proven exact, else in order (`ghost_batches`, around ``loss_fn`` too);
+            the trainer's ``multiple_of`` follows it.
         rng: the trainer's base key; ``key(0)`` if None.
         **trainer_kwargs: `AdaptiveTrainer`'s other options; ``normalizer=fn`` for a loss
             divided by a count the data decides (``loss_fn`` then gives each example's

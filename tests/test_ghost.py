@@ -183,6 +183,8 @@ def test_a_model_written_for_pmap_trains_as_a_loop_over_groups(micro):
     for batch in BATCHES:
         state, _ = trainer.step(state, batch)
     params, stats = imagenet_reference()
+    args = (init["params"], {"batch_stats": init["batch_stats"]}, BATCHES[0], KEY)
+    assert not uses_scan(loss_fn, *args)  # BatchNorm(axis_name=...)'s groups side by side
     assert_trees_close(state.model_state["batch_stats"], stats, 1e-5)
     assert_trees_close(state.params, params, 1e-5)
 
@@ -379,6 +381,17 @@ def averages(params, state, batch, rng):
     }
 
 
+def affine_forms(params, state, batch, rng):
+    """Updates proven m * old + f: in a jit, chosen by the data, an integer leaf kept."""
+    mean = jnp.mean(batch["x"])
+    new = {
+        "ema": jax.jit(lambda old: 0.9 * old + 0.1 * mean)(state["ema"]),
+        "chosen": jnp.where(mean > 3, 0.5 * state["chosen"], state["chosen"] - mean),
+        "kept": state["kept"],
+    }
+    return (batch["x"] - mean) ** 2, jax.lax.stop_gradient(new)
+
+
 def reads_its_state(params, state, batch, rng):  # as batch renormalisation's outputs do
     return batch["x"] - state["mean"], {"mean": 0.5 * state["mean"] + 0.5 * jnp.mean(batch["x"])}
 
@@ -391,25 +404,78 @@ def counts_in_integers(params, state, batch, rng):
     return batch["x"], {"n": state["n"] + 1}
 
 
+def layer(update):
+    """A loss whose state a stateful layer writes as users write one: through stop_gradient.
+
+    ``update(old, x)`` is the new state from the old one and the group's rows; the outputs
+    do not read the state, so only the update decides whether the groups compose.
+    """
+
+    def loss_fn(params, state, batch, rng):
+        new = update(state, batch["x"])
+        return (batch["x"] - jnp.mean(batch["x"])) ** 2, jax.lax.stop_gradient(new)
+
+    return loss_fn
+
+
+def state_dependent_momentum(old, x):
+    momentum = 0.5 + 0.4 * jnp.tanh(old["avg"])  # m depends on the state: not m * old + f
+    return {"avg": momentum * old["avg"] + (1 - momentum) * jnp.mean(x)}
+
+
+# Each is not m * old + f in the state, and each was composed side by side as if it were,
+# silently wrong (a running max of 52.11 for 6.97), while only a derivative checked it.
+NOT_AFFINE = {
+    "running max": (
+        layer(lambda old, x: {"max": jnp.maximum(old["max"], jnp.max(x))}),
+        {"max": 3.0},
+    ),
+    "running min": (
+        layer(lambda old, x: {"min": jnp.minimum(old["min"], jnp.mean(x))}),
+        {"min": 3.0},
+    ),
+    "clipped average": (
+        layer(lambda old, x: {"avg": jnp.clip(0.9 * old["avg"] + 0.1 * jnp.mean(x), -1.0, 1.5)}),
+        {"avg": 1.0},
+    ),
+    "state-dependent momentum": (layer(state_dependent_momentum), {"avg": 1.0}),
+    "two leaves mixed": (  # affine, but not leaf by leaf
+        layer(
+            lambda old, x: {"a": 0.5 * old["a"] + 0.5 * old["b"], "b": 0.9 * old["b"] + jnp.mean(x)}
+        ),
+        {"a": 1.0, "b": 2.0},
+    ),
+    "elements mixed": (  # affine, but not element by element
+        layer(lambda old, x: {"v": 0.5 * old["v"] + 0.25 * old["v"][::-1] + jnp.mean(x)}),
+        {"v": jnp.array([1.0, 2.0])},
+    ),
+}
+
+
 @pytest.mark.parametrize(
     "loss_fn, state, side_by_side",
     [
         (averages, {"ema": 1.0, "count": 2.0, "last": 5.0}, True),
+        (affine_forms, {"ema": 1.0, "chosen": 2.0, "kept": 7}, True),
         (reads_its_state, {"mean": 1.0}, False),
         (keeps_the_largest, {"max": 3.0}, False),
         (counts_in_integers, {"n": 0}, False),
-    ],
+    ]
+    + [pytest.param(*case, False, id=name) for name, case in NOT_AFFINE.items()],
 )
 def test_groups_run_side_by_side_only_for_running_averages(loss_fn, state, side_by_side):
     x = jnp.array([0.0, 2.0, 4.0, 4.0, 9.0, 7.0, 1.0, 5.0])
     ghost = ja.ghost_batches(loss_fn, 2)
+    sequential = jax.jit(ja.ghost_batches(loss_fn, 2, sequential=True))
     state = jax.tree.map(jnp.asarray, state)
     assert uses_scan(ghost, 1.0, state, {"x": x}, KEY) != side_by_side
     for weights in (np.ones(8), np.array([1, 1, 0, 0, 1, 1, 0, 0.0])):  # with padding groups
-        out, new = jax.jit(ghost)(1.0, state, {"x": x}, KEY, weights=jnp.asarray(weights))
+        weights = jnp.asarray(weights)
+        out, new = jax.jit(ghost)(1.0, state, {"x": x}, KEY, weights=weights)
         expected_out, expected = in_a_loop(loss_fn, state, x, weights, 2)
         np.testing.assert_allclose(out, expected_out, rtol=1e-6)
         assert_trees_close(new, expected, 1e-6)
+        assert_trees_close(new, sequential(1.0, state, {"x": x}, KEY, weights=weights)[1], 1e-6)
 
 
 def test_a_micro_batch_must_be_whole_groups():

@@ -163,6 +163,57 @@ def test_ghost_batches_train_the_same_at_every_plan_and_after_an_out_of_memory()
     assert_same(got, reference([G] * (T // G)))
 
 
+def ghost_grads(rate):
+    """The ghost step's loss, logits, gradient and objects at Dropout ``rate``, and its program."""
+    model, _, _, rngs = objects()
+    model.dropout1.rate = model.dropout2.rate = rate
+    grad_fn = ja.micro_batch_value_and_grad(
+        mnist.loss_fn, has_aux=True, ghost_batch_size=G, micro_batch_size=T
+    )
+    graphdef, state = nnx.split((model, rngs))
+
+    def pure(state, batch):
+        model, rngs = nnx.merge(graphdef, state)
+        return grad_fn(model, batch, rngs), nnx.state((model, rngs))
+
+    program = str(jax.make_jaxpr(pure)(state, BATCHES[0]))
+    return jax.jit(pure)(state, BATCHES[0]), program
+
+
+def groups_in_order(rate):
+    """The same with Flax's own nnx.value_and_grad over the groups of G, one after another."""
+    model, _, _, rngs = objects()
+    model.dropout1.rate = model.dropout2.rate = rate
+    graphdef, state = nnx.split((model, rngs))
+
+    @jax.jit
+    def pure(state, batch):
+        model, rngs = nnx.merge(graphdef, state)
+        grad_fn = nnx.value_and_grad(mnist.loss_fn, has_aux=True)
+        loss, logits, grads = 0.0, [], None
+        for start in range(0, T, G):
+            part = {key: value[start : start + G] for key, value in batch.items()}
+            (part_loss, part_logits), part_grads = grad_fn(model, part, rngs)
+            part_grads = jax.tree.map(lambda g: g * G / T, part_grads)
+            grads = part_grads if grads is None else jax.tree.map(jnp.add, grads, part_grads)
+            loss, logits = loss + part_loss * G / T, [*logits, part_logits]
+        return ((loss, jnp.concatenate(logits)), grads), nnx.state((model, rngs))
+
+    return pure(state, BATCHES[0])
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_ghost_groups_run_side_by_side_for_batch_norm_and_in_order_for_dropout(rate):
+    # BatchNorm's running averages (NNX's, written through stop_gradient) compose: the
+    # groups run as one batch. Dropout's key counts are state its masks read: in order.
+    got, program = ghost_grads(rate)
+    assert ("scan[" in program) == (rate > 0), rate
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(groups_in_order(rate)), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_without_a_plan_it_is_nnx_value_and_grad():
     model, optimizer, metrics, rngs = objects()
     step = ja.AdaptiveNnxStep(own_statistics_step, plan_cache=False)

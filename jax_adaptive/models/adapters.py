@@ -82,8 +82,9 @@ def linen_classifier_loss(
         train: training mode, or evaluation mode (frozen BatchNorm, Dropout off).
         axis_name: the ``pmap`` axis a model reduces BatchNorm over, bound over the
             micro-batch (or ghost batch) by a size-1 ``vmap``.
-        ghost_batch_size: BatchNorm over groups of this many examples, run side by side
-            (`jax_adaptive.ghost_batches`, docs/batchnorm.md).
+        ghost_batch_size: BatchNorm over groups of this many examples, side by side
+            where proven exact, else in order (`jax_adaptive.ghost_batches`,
+            docs/batchnorm.md).
         call_kwargs: more keyword arguments for every call of the model.
         image_key: the batch's input key.
         label_key: the batch's integer label key.
