@@ -740,3 +740,69 @@ def test_a_workdir_through_a_missing_directory_creates_nothing_else(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "wd"]
     assert not any((tmp_path / "cwd").iterdir())
     assert (tmp_path / "wd" / "plan.json").exists() and (tmp_path / "wd" / "plans.json").exists()
+
+
+_SMALL = ["--model", "mlp", "--target-batch-size", "8", "--no-progress", "--no-plan-cache"]
+_SMALL += ["--eval-every", "0"]
+
+
+def test_a_held_workdir_is_refused_at_once_while_the_run_holding_it_completes(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    holder = subprocess.Popen(
+        _cli(*_SMALL, "--updates", "40", "--workdir", workdir),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (workdir / ".lock").exists() and holder.poll() is None:
+            assert time.time() < deadline, "the first run never took the workdir"
+            time.sleep(0.01)
+        assert main([*_SMALL, "--updates", "2", "--workdir", str(workdir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is in use by process {holder.pid} on host " in err, err
+        _, err = holder.communicate(timeout=240)
+    finally:
+        holder.kill()
+    assert holder.returncode == 0, err
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines] == list(range(1, 41))
+    assert not (workdir / ".lock").exists()  # released
+
+
+def _dead_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize(
+    ("host", "pid", "says"),
+    [
+        ("here", "alive", "wait for that run to end, or use another --workdir."),
+        ("elsewhere.invalid", "dead", "(if it has ended, remove "),
+        ("here", None, "(if it has ended, remove "),  # half written: its writer was killed
+    ],
+)
+def test_a_workdir_held_by_a_live_or_unknown_run_is_refused_before_anything_is_written(
+    host, pid, says, tmp_path, capsys
+):
+    import socket
+
+    holder = {"pid": os.getpid() if pid == "alive" else _dead_pid(), "since": "then",
+              "host": socket.gethostname() if host == "here" else host}  # fmt: skip
+    (tmp_path / ".lock").write_text(json.dumps(holder) if pid else "")
+    assert main([*_SMALL, "--updates", "1", "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # nothing written
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsys):
+    import socket
+
+    holder = {"pid": _dead_pid(), "host": socket.gethostname(), "since": "then"}
+    (tmp_path / ".lock").write_text(json.dumps(holder))
+    with pytest.warns(UserWarning, match=f"from process {holder['pid']}, which no longer runs"):
+        assert main([*_SMALL, "--updates", "1", "--workdir", str(tmp_path)]) == 0
+    assert not (tmp_path / ".lock").exists()
+    assert (tmp_path / "plan.json").exists() and not list(tmp_path.glob(".*.tmp"))
