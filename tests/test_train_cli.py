@@ -806,3 +806,42 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsys)
         assert main([*_SMALL, "--updates", "1", "--workdir", str(tmp_path)]) == 0
     assert not (tmp_path / ".lock").exists()
     assert (tmp_path / "plan.json").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+_REPORTS_JAX = """
+import runpy, sys
+try:
+    runpy.run_module("jax_adaptive.train", run_name="__main__", alter_sys=True)
+finally:
+    print("jax imported:", "jax" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--help"], "(default: 256)"),
+        (["--target-batch-size", "-5"], "error: --target-batch-size -5 must be a positive int"),
+        (["--model", "no_such_module:factory"], "cannot import no_such_module"),
+        (["--workdir", "FILE"], "is a file; it must name a directory"),
+    ],
+)
+def test_help_and_a_bad_flag_answer_before_jax_is_imported(flags, says, tmp_path):
+    """Issue 40: --help took 7.2 s, a bad flag 12-18 s: JAX and the models came first."""
+    (tmp_path / "FILE").touch()
+    result = subprocess.run([sys.executable, "-c", _REPORTS_JAX, *flags], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == (0 if flags == ["--help"] else 2), result.stderr
+    assert says in result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1] == "jax imported: False", result.stderr
+    assert len(result.stderr.splitlines()) == (1 if flags == ["--help"] else 2)
+
+
+def test_help_shows_every_flags_default():
+    from jax_adaptive.cli.main import _parser
+
+    parser = _parser()
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0:  # a switch's default is its absence
+            help_text = parser._get_formatter()._get_help_string(action)
+            assert "default" in help_text, action.option_strings[0]

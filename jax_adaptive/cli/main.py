@@ -38,14 +38,18 @@ _UNITS = {
 }  # fmt: skip
 
 
-def _one_line() -> tuple[type[BaseException], ...]:
-    """What a run can stop with that one line explains: a flag's or a refusal's ValueError,
-    the library's own errors. Anything else (a TypeError in a model, an OSError, an XLA
-    error) propagates with its traceback.
-    """  # noqa: D205
-    from jax_adaptive.errors import NothingFitsError, OptimizerStepOutOfMemory, StateLostError
+def _one_line() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """What a run can stop with that one line explains, and the `FitError` that wraps it.
 
-    return (ValueError, NothingFitsError, OptimizerStepOutOfMemory, StateLostError)
+    A flag's or a refusal's ValueError, and the library's own errors. Anything else (a
+    TypeError in a model, an OSError, an XLA error) propagates with its traceback. The
+    library's errors are only looked for once loaded: a bad flag stops before JAX starts.
+    """
+    errors = sys.modules.get("jax_adaptive.errors")
+    if errors is None:
+        return (ValueError,), ()
+    library = (errors.NothingFitsError, errors.OptimizerStepOutOfMemory, errors.StateLostError)
+    return (ValueError, *library), (errors.FitError,)
 
 
 def parse_bytes(text: str) -> int:
@@ -345,14 +349,13 @@ def _run(config: TrainConfig) -> int:
         print(f"error: the run called sys.exit({exc.code!r}) before it ended", file=sys.stderr)
         return 2
     except Exception as exc:
-        from jax_adaptive.errors import FitError
-
-        one_line, cause = _one_line(), exc.__cause__ if isinstance(exc, FitError) else exc
+        one_line, fit_error = _one_line()
+        cause = exc.__cause__ if isinstance(exc, fit_error) else exc
         if _peer_lost(cause):
             error, said = cause, "a process of the jax.distributed job is gone: "
-        elif isinstance(exc, FitError) and isinstance(cause, one_line):
+        elif cause is not exc and isinstance(cause, one_line):
             error, said = cause, f"training stopped by {type(cause).__name__}: "
-        elif isinstance(exc, one_line) and not isinstance(exc, FitError):
+        elif cause is exc and isinstance(exc, one_line):
             error, said = exc, ""
         else:
             raise  # its traceback, and the cause's
