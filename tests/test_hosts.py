@@ -73,6 +73,7 @@ def test_two_processes_read_an_epoch_once_and_resume_after_a_kill(tmp_path):
     # process's 32) on the 8 devices.
     lines = [line for line in texts[0].splitlines() if line.startswith(("plan:", "update"))]
     assert lines[0].startswith("plan: micro-batch 24 x 3 accumulation steps = target batch 64")
+    assert lines[0].endswith("; no simulated device (--micro-batch-size 24 is fixed)"), lines[0]
     assert len(lines) == 5 and texts[1] == "", texts[1]  # process 1 prints nothing
     assert "[Gloo]" not in texts[0] and "[Gloo]" in errs[0]  # gloo's lines: stderr
     assert "jax_adaptive: " in errs[0] and "jax_adaptive: " not in errs[1]  # the search's log

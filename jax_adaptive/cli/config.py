@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GHOST_BATCH_SIZE", "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES",  # noqa: F822
     "TrainConfig", "check_config", "check_ghost", "ghost_batch_size", "load_factory",
-    "make_optimizer",
+    "make_optimizer", "refusal",
 ]  # fmt: skip
 
 _ZOO = {  # each zoo image model: its class in jax_adaptive.models, the variables it mutates
@@ -151,7 +151,7 @@ class TrainConfig:
         host, colon, port = fields[0].rpartition(":")
         processes, index = [*fields[1:], "", ""][:2]
         count = int(processes) if processes.isdigit() else 0
-        wrong = _refusal(
+        wrong = refusal(
             (len(fields) != 3, f"it has {len(fields)} comma-separated fields, not 3"),
             (not colon or not _HOST.fullmatch(host), f"the host {host!r} is not a host name "
              "or address (HOST:PORT, [IPv6]:PORT)"),
@@ -315,14 +315,19 @@ def check_ghost(config: TrainConfig, batch_norm: bool) -> int | None:
     return ghost
 
 
-def _refusal(*checks: tuple[bool, str]) -> str | None:
-    """The message of the first check that is true, or None."""
+def refusal(*checks: tuple[bool, str]) -> str | None:
+    """The message of the first check that is true, or None.
+
+    Examples:
+        >>> refusal((False, "a"), (True, "b"), (True, "c"))
+        'b'
+    """
     return next((message for wrong, message in checks if wrong), None)
 
 
 def _refuse(*checks: tuple[bool, str]) -> None:
     """Raises the `ValueError` of the first check that is true."""
-    if (message := _refusal(*checks)) is not None:
+    if (message := refusal(*checks)) is not None:
         raise ValueError(message)
 
 
