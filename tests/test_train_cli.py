@@ -45,7 +45,7 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
     assert lines[0].startswith("simulating a device of ") and "--no-simulated-device" in lines[0]
     micro, steps = (int(x) for x in lines[1].split("micro-batch ")[1].split()[:3:2])
     assert lines[1].startswith("plan: ") and steps > 1 and micro * steps >= 256, lines[1]
-    said = lines[0].split()[3]  # the plan line says the simulated device too
+    said = lines[0].split()[4]  # the plan line says the simulated device too
     assert lines[1].endswith(f"; a simulated device of {said} MB"), lines[1]
     searched = _compiles(lines[1], " size")
     assert searched >= 2 and "plan cache" not in lines[1]  # a search, not a cached plan

@@ -50,7 +50,9 @@ def __getattr__(name: str) -> Any:
     if name != "IMAGE_MODELS":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     models = importlib.import_module("jax_adaptive.models")
-    return {name: (getattr(models, cls), mutable) for name, (cls, mutable) in _ZOO.items()}
+    table = {model: (getattr(models, cls), mutable) for model, (cls, mutable) in _ZOO.items()}
+    globals()[name] = table  # built once
+    return table
 
 
 def _batch_norm(model: str) -> bool:

@@ -60,8 +60,10 @@ def join(address: str, processes: int, index: int, timeout: float) -> None:
 def _gather(address: str, processes: int, deadline: float, timeout: float) -> None:
     """Process 0: accepts every other process's hello, then says go to each."""
     _, port = _split(address)
+    both = socket.has_dualstack_ipv6()  # IPv4 and IPv6, as JAX's service binds [::]:PORT
+    family = socket.AF_INET6 if both else socket.AF_INET
     try:
-        listener = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        listener = socket.create_server(("", port), family=family, dualstack_ipv6=both)
     except OSError as exc:
         raise ValueError(
             f"--distributed: process 0 cannot listen on port {port} ({exc.strerror or exc}); "
@@ -110,8 +112,15 @@ def _gather(address: str, processes: int, deadline: float, timeout: float) -> No
 def _reach(address: str, index: int, deadline: float, timeout: float) -> None:
     """Another process: connects to process 0 (retrying), says its ID, waits for go."""
     host, port = _split(address)
+    met = False  # whether process 0 answered: then another process is missing
     while True:
         left = deadline - time.monotonic()
+        if left <= 0 and met:
+            raise ValueError(
+                f"--distributed: process 0 at {address} did not see every process join "
+                f"within {timeout:g}s; start each with --distributed HOST:PORT,N,ID, or "
+                "raise --distributed-timeout."
+            )
         if left <= 0:
             raise ValueError(
                 f"--distributed: process {index} found no process 0 at {address} within "
@@ -120,6 +129,7 @@ def _reach(address: str, index: int, deadline: float, timeout: float) -> None:
             )
         try:
             with socket.create_connection((host, port), timeout=min(left, 1.0)) as conn:
+                met = True
                 conn.sendall(f"{index}\n".encode())
                 conn.settimeout(max(deadline - time.monotonic(), 0.1))
                 if conn.recv(len(_GO)) == _GO:

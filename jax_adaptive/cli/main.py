@@ -97,6 +97,11 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
         (8, 2)
     """
     check_config(config)
+    if (args := config.distributed_args()) and not _distributed_started():
+        from jax_adaptive.cli.hosts import join  # before JAX: the timeout is all waiting
+
+        join(args["coordinator_address"], args["num_processes"], args["process_id"],
+             config.distributed_timeout)  # fmt: skip
     import jax  # here: a bad flag is refused before JAX starts
 
     from jax_adaptive.cli.images import train_images
@@ -120,14 +125,10 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
 
 
 def _start_distributed(config: TrainConfig) -> None:
-    """Joins the processes, then starts ``jax.distributed`` (gloo for CPU collectives)."""
+    """Starts ``jax.distributed`` (gloo for CPU collectives), the processes joined."""
     import jax
 
-    from jax_adaptive.cli.hosts import join
-
     args, timeout = config.distributed_args() or {}, config.distributed_timeout
-    if args:
-        join(args["coordinator_address"], args["num_processes"], args["process_id"], timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         **args, initialization_timeout=timeout, heartbeat_timeout_seconds=timeout
@@ -147,8 +148,8 @@ def _stdout_of_libraries_to_stderr() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.stdout.flush()
-        sys.stdout, _ = real, sys.stdout.close()
+        ours, sys.stdout = sys.stdout, real
+        ours.close()  # flushed; the descriptor is ``saved``, put back below
         os.dup2(saved, 1)
         os.close(saved)
 
