@@ -20,29 +20,35 @@ Examples:
     40
 """
 
-from jax_adaptive.adaptive_step import AdaptiveStep
-from jax_adaptive.buckets import BucketBatch, BucketedTrainer, bucket_batches, pow2_buckets
-from jax_adaptive.data import Rebatcher
-from jax_adaptive.distributed import data_mesh
-from jax_adaptive.errors import (
-    FitError,
-    NothingFitsError,
-    OptimizerStepOutOfMemory,
-    SimulatedOutOfMemory,
-    StateLostError,
-    is_oom,
-)
-from jax_adaptive.evaluate import Evaluator
-from jax_adaptive.ghost import ghost_batches
-from jax_adaptive.memory import Ledger, estimate_peak_bytes
-from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad
-from jax_adaptive.nnx_step import AdaptiveNnxStep, micro_batch_value_and_grad
-from jax_adaptive.nnx_trainer import NnxTrainer
-from jax_adaptive.plan import Plan, SizeTrial
-from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.search import SearchResult, search_max_size
-from jax_adaptive.step import TrainState
-from jax_adaptive.trainer import AdaptiveTrainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below are, for readers and type checkers
+    from jax_adaptive.adaptive_step import AdaptiveStep
+    from jax_adaptive.buckets import BucketBatch, BucketedTrainer, bucket_batches, pow2_buckets
+    from jax_adaptive.data import Rebatcher
+    from jax_adaptive.distributed import data_mesh
+    from jax_adaptive.errors import (
+        FitError,
+        NothingFitsError,
+        OptimizerStepOutOfMemory,
+        SimulatedOutOfMemory,
+        StateLostError,
+        is_oom,
+    )
+    from jax_adaptive.evaluate import Evaluator
+    from jax_adaptive.ghost import ghost_batches
+    from jax_adaptive.memory import Ledger, estimate_peak_bytes
+    from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad
+    from jax_adaptive.nnx_step import AdaptiveNnxStep, micro_batch_value_and_grad
+    from jax_adaptive.nnx_trainer import NnxTrainer
+    from jax_adaptive.plan import Plan, SizeTrial
+    from jax_adaptive.plan_cache import PlanCache
+    from jax_adaptive.search import SearchResult, search_max_size
+    from jax_adaptive.step import TrainState
+    from jax_adaptive.trainer import AdaptiveTrainer
 
 __all__ = [
     "AdaptiveNnxStep",
@@ -75,3 +81,57 @@ __all__ = [
     "pow2_buckets",
     "search_max_size",
 ]
+
+# Each name's module. They are imported at first use (PEP 562), so that importing a module
+# of the package, as ``python -m jax_adaptive.train`` does, does not start JAX: the command
+# line answers --help and a bad flag at once.
+_MODULES = {
+    "AdaptiveNnxStep": "nnx_step",
+    "AdaptiveStep": "adaptive_step",
+    "AdaptiveTrainer": "trainer",
+    "BucketBatch": "buckets",
+    "BucketedTrainer": "buckets",
+    "Evaluator": "evaluate",
+    "FitError": "errors",
+    "Ledger": "memory",
+    "MicroBatchGrad": "microbatch",
+    "NnxTrainer": "nnx_trainer",
+    "NothingFitsError": "errors",
+    "OptimizerStepOutOfMemory": "errors",
+    "Plan": "plan",
+    "PlanCache": "plan_cache",
+    "Rebatcher": "data",
+    "SearchResult": "search",
+    "SimulatedOutOfMemory": "errors",
+    "SizeTrial": "plan",
+    "StateLostError": "errors",
+    "TrainState": "step",
+    "bucket_batches": "buckets",
+    "data_mesh": "distributed",
+    "estimate_peak_bytes": "memory",
+    "ghost_batches": "ghost",
+    "is_oom": "errors",
+    "micro_batch_grad": "microbatch",
+    "micro_batch_value_and_grad": "nnx_step",
+    "pow2_buckets": "buckets",
+    "search_max_size": "search",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name or a module of the package (``ja.loop``), imported at first use."""
+    if name in _MODULES:
+        value = getattr(importlib.import_module(f"jax_adaptive.{_MODULES[name]}"), name)
+        globals()[name] = value
+        return value
+    try:  # as the eager imports made every module an attribute
+        return importlib.import_module(f"jax_adaptive.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"jax_adaptive.{name}":
+            raise
+    raise AttributeError(f"module 'jax_adaptive' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names with the module's own."""
+    return sorted({*globals(), *__all__})

@@ -2,6 +2,8 @@
 
 Each raises `TypeError` (the wrong kind) or `ValueError` (out of range) at once, never deep
 inside a trace or compile, or returns the value normalised (a NumPy int becomes ``int``).
+Importing it does not start JAX: the command line checks its flags with it first, so that
+``--help`` and a bad flag answer at once (the functions that read arrays import JAX).
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
-from jax_adaptive.data import leading_size
+if TYPE_CHECKING:
+    import jax
 
 __all__ = [
     "MAX_TARGET_BATCH_SIZE",
@@ -207,6 +209,8 @@ def check_device(device: Any) -> jax.Device | None:
         Traceback (most recent call last):
         TypeError: device must be a jax.Device such as jax.devices()[0], or None, got 'cpu' (str).
     """
+    import jax
+
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(
             f"device must be a jax.Device such as jax.devices()[0], or None, got {_got(device)}."
@@ -311,12 +315,17 @@ def check_batch(batch: Any, weights: Any, example: Any, T: int, update: int | No
     batch-size schedule) the updates so far, named in the error.
 
     Examples:
+        >>> import jax
         >>> example = {"x": jax.ShapeDtypeStruct((3,), np.float32)}
         >>> check_batch({"x": np.zeros((8, 3), np.float32)}, None, example, 8)
         >>> check_batch({"x": np.zeros((8, 3), np.int32)}, None, example, 8)
         Traceback (most recent call last):
         ValueError: the batch leaf ['x'] has dtype int32, but example_batch had float32; ...
     """
+    import jax
+
+    from jax_adaptive.data import leading_size
+
     (leaves, got), (specs, want) = jax.tree.flatten(batch), jax.tree.flatten(example)
     if _takes_all(leaves, got, specs, want, T) and (weights is None or np.shape(weights) == (T,)):
         return  # what every step of a training loop passes: no more to check
@@ -357,11 +366,14 @@ def on_device(batch: Any, device: jax.Device | None) -> Any:
     everything when ``device`` is None (a mesh places its micro-batches itself).
 
     Examples:
+        >>> import jax
         >>> device = jax.devices()[0]
         >>> moved = on_device({"x": jax.device_put(np.ones(2), device)}, device)
         >>> moved["x"].devices() == {device}
         True
     """
+    import jax
+
     if device is None or not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
         return batch  # host arrays: nothing to move
 

@@ -9,8 +9,6 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import jax
-
 from jax_adaptive.checks import MAX_TARGET_BATCH_SIZE, check_target_batch_size, is_int
 
 __all__ = [
@@ -123,6 +121,8 @@ class ScheduleCursor:
             return 0
         if updates is self._returned[0]:  # the state a step returned: no device read
             return self._returned[1]
+        import jax  # here: the command line parses a schedule before JAX starts
+
         if isinstance(updates, jax.Array) and not updates.is_fully_addressable:
             updates = updates.addressable_data(0)  # replicated: every process has it
         return int(jax.device_get(updates))

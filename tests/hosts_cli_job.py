@@ -4,7 +4,8 @@
 ``python -m jax_adaptive.train --distributed localhost:PORT,2,ID FLAGS...`` on 4 CPU
 devices, recording which examples of the synthetic source this process's data stream
 read (index and epoch); with KILL_AT > 0 the process kills itself (SIGKILL) once the
-checkpoint of that update is written, as a machine that fails would.
+checkpoint of that update is written, as a machine that fails would (``KILL_AT@ID``: only
+process ID does, its peer survives).
 """
 
 import os
@@ -59,9 +60,11 @@ def _killing(save, at):
 
 
 if __name__ == "__main__":
-    process_id, port, out, kill_at = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    kill_at, _, who = sys.argv[4].partition("@")
     datasets.ShuffledBatches.__next__ = _recording(datasets.ShuffledBatches.__next__)
-    checkpoints.Checkpoints.save = _killing(checkpoints.Checkpoints.save, kill_at)
+    if who in ("", str(process_id)):
+        checkpoints.Checkpoints.save = _killing(checkpoints.Checkpoints.save, int(kill_at))
     status = main(["--distributed", f"localhost:{port},2,{process_id}", *sys.argv[5:]])
     with open(out, "w") as f:
         json.dump({"status": status, "read": READ}, f)

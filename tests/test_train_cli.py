@@ -45,6 +45,8 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
     assert lines[0].startswith("simulating a device of ") and "--no-simulated-device" in lines[0]
     micro, steps = (int(x) for x in lines[1].split("micro-batch ")[1].split()[:3:2])
     assert lines[1].startswith("plan: ") and steps > 1 and micro * steps >= 256, lines[1]
+    said = lines[0].split()[4]  # the plan line says the simulated device too
+    assert lines[1].endswith(f"; a simulated device of {said} MB"), lines[1]
     searched = _compiles(lines[1], " size")
     assert searched >= 2 and "plan cache" not in lines[1]  # a search, not a cached plan
     updates = [line for line in lines if line.startswith("update")]
@@ -70,17 +72,25 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
                             f"{metrics[-1]['eval_accuracy']:.3f} (1024 examples)")  # fmt: skip
 
 
-def test_no_simulated_device_trains_the_whole_batch_at_once(capsys):
-    assert main(["--no-simulated-device", "--updates", "1", "--eval-every", "0",
-                 "--target-batch-size", "32", "--no-plan-cache", "--no-progress"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.splitlines()[0].startswith("plan: micro-batch 32 x 1 ")
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--no-simulated-device", "--no-simulated-device"),
+        ("--data-parallel", "--data-parallel: each device's whole memory"),  # issue 40
+    ],
+)
+def test_no_simulated_device_trains_the_whole_batch_at_once_and_says_so(flag, says, capsys):
+    assert main([flag, "--updates", "1", "--eval-every", "0", "--target-batch-size", "32",
+                 "--no-plan-cache", "--no-progress"]) == 0  # fmt: skip
+    plan = capsys.readouterr().out.splitlines()[0]
+    assert plan.startswith("plan: micro-batch 32 x 1 ") and f"no simulated device ({says})" in plan
 
 
 def test_memory_limit_shrinks_the_micro_batch(capsys):
     assert main(["--memory-limit", "4MB", "--updates", "1", "--target-batch-size", "64"]) == 0
     plan = capsys.readouterr().out.splitlines()[0]
     size = int(plan.split("micro-batch ")[1].split()[0])
-    assert 1 <= size < 64, plan
+    assert 1 <= size < 64 and plan.endswith("; a simulated device of 4.00 MB (--memory-limit)")
 
 
 @pytest.mark.parametrize(
@@ -324,10 +334,11 @@ def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_pat
     single = capsys.readouterr().out
     one = int(single.splitlines()[0].split("micro-batch ")[1].split()[0])
     plan = runs[0].splitlines()[0]
-    per_device = int(plan.split("; ")[-1].split()[0])
+    per_device = int(re.search(r"; (\d+) per device on 8", plan).group(1))
     # The same cap, per device: never more than one device fits, nearly as much (the
     # per-device program has temporaries of its own: 57 KB more at 14 for this CNN).
-    assert 0.9 * one <= per_device <= one and plan.endswith(f"{per_device} per device on 8")
+    assert 0.9 * one <= per_device <= one
+    assert plan.endswith("; a simulated device of 1.60 MB (--memory-limit)"), plan
     assert plan.startswith(f"plan: micro-batch {8 * per_device} x "), (plan, one)
     assert "resumed at update 2" in runs[1].splitlines()[0]
     np.testing.assert_allclose(_losses(runs[0]) + _losses(runs[1]), _losses(single), rtol=1e-4)
@@ -395,11 +406,26 @@ def test_a_users_own_model_trains_and_evaluates_from_the_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "plan.json").read_text())["config"]["model"] == flags[1]
 
 
+def test_a_users_nnx_model_trains_evaluates_and_checkpoints_from_the_cli(tmp_path, capsys):
+    """Issue 40: --model took linen modules only. tests/user_model.py's NnxCNN is written as
+    the Flax NNX MNIST tutorial writes one: BatchNorm, and a Dropout taking rngs at call."""
+    flags = ["--model", "user_model:make_nnx_model", "--target-batch-size", "64"]
+    flags += ["--updates", "2", "--eval-every", "2", "--no-progress", "--no-plan-cache"]
+    assert main([*flags, "--workdir", str(tmp_path)]) == 0
+    plan = capsys.readouterr().out.splitlines()[1]
+    # BatchNorm statistics over ghost batches of 32 on the simulated device: 32 x 2.
+    assert plan.startswith("plan: micro-batch 32 x 2 accumulation steps = target batch 64; ")
+    assert "; BatchNorm over ghost batches of 32" in plan, plan
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics] == [1, 2] and np.isfinite(metrics[1]["eval_loss"])
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         ("user_model:mean_loss_model", "the loss must return one value per example"),
-        ("user_model:not_a_pair", "the factory must return (a flax.linen Module, loss"),
+        ("user_model:not_a_pair", "the factory must return (a flax.linen or flax.nnx Module, "),
         ("user_model:nothing", "user_model has no callable 'nothing'"),
         ("no_such_module:make", "cannot import no_such_module (ModuleNotFoundError"),
         ("user_model:", "must be a zoo model or package.module:factory"),
@@ -740,3 +766,108 @@ def test_a_workdir_through_a_missing_directory_creates_nothing_else(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "wd"]
     assert not any((tmp_path / "cwd").iterdir())
     assert (tmp_path / "wd" / "plan.json").exists() and (tmp_path / "wd" / "plans.json").exists()
+
+
+_SMALL = ["--model", "mlp", "--target-batch-size", "8", "--no-progress", "--no-plan-cache"]
+_SMALL += ["--eval-every", "0"]
+
+
+def test_a_held_workdir_is_refused_at_once_while_the_run_holding_it_completes(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    holder = subprocess.Popen(
+        _cli(*_SMALL, "--updates", "40", "--workdir", workdir),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (workdir / ".lock").exists() and holder.poll() is None:
+            assert time.time() < deadline, "the first run never took the workdir"
+            time.sleep(0.01)
+        assert main([*_SMALL, "--updates", "2", "--workdir", str(workdir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is in use by process {holder.pid} on host " in err, err
+        _, err = holder.communicate(timeout=240)
+    finally:
+        holder.kill()
+    assert holder.returncode == 0, err
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines] == list(range(1, 41))
+    assert not (workdir / ".lock").exists()  # released
+
+
+def _dead_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize(
+    ("host", "pid", "says"),
+    [
+        ("here", "alive", "wait for that run to end, or use another --workdir."),
+        ("elsewhere.invalid", "dead", "(if it has ended, remove "),
+        ("here", None, "(if it has ended, remove "),  # half written: its writer was killed
+    ],
+)
+def test_a_workdir_held_by_a_live_or_unknown_run_is_refused_before_anything_is_written(
+    host, pid, says, tmp_path, capsys
+):
+    import socket
+
+    holder = {"pid": os.getpid() if pid == "alive" else _dead_pid(), "since": "then",
+              "host": socket.gethostname() if host == "here" else host}  # fmt: skip
+    (tmp_path / ".lock").write_text(json.dumps(holder) if pid else "")
+    assert main([*_SMALL, "--updates", "1", "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # nothing written
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsys):
+    import socket
+
+    holder = {"pid": _dead_pid(), "host": socket.gethostname(), "since": "then"}
+    (tmp_path / ".lock").write_text(json.dumps(holder))
+    with pytest.warns(UserWarning, match=f"from process {holder['pid']}, which no longer runs"):
+        assert main([*_SMALL, "--updates", "1", "--workdir", str(tmp_path)]) == 0
+    assert not (tmp_path / ".lock").exists()
+    assert (tmp_path / "plan.json").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+_REPORTS_JAX = """
+import runpy, sys
+try:
+    runpy.run_module("jax_adaptive.train", run_name="__main__", alter_sys=True)
+finally:
+    print("jax imported:", "jax" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--help"], "(default: 256)"),
+        (["--target-batch-size", "-5"], "error: --target-batch-size -5 must be a positive int"),
+        (["--model", "no_such_module:factory"], "cannot import no_such_module"),
+        (["--workdir", "FILE"], "is a file; it must name a directory"),
+    ],
+)
+def test_help_and_a_bad_flag_answer_before_jax_is_imported(flags, says, tmp_path):
+    """Issue 40: --help took 7.2 s, a bad flag 12-18 s: JAX and the models came first."""
+    (tmp_path / "FILE").touch()
+    result = subprocess.run([sys.executable, "-c", _REPORTS_JAX, *flags], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == (0 if flags == ["--help"] else 2), result.stderr
+    assert says in result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1] == "jax imported: False", result.stderr
+    assert len(result.stderr.splitlines()) == (1 if flags == ["--help"] else 2)
+
+
+def test_help_shows_every_flags_default():
+    from jax_adaptive.cli.main import _parser
+
+    parser = _parser()
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0:  # a switch's default is its absence
+            help_text = parser._get_formatter()._get_help_string(action)
+            assert "default" in help_text, action.option_strings[0]

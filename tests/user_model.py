@@ -7,6 +7,7 @@ factory returns the model and its loss, one value per example, no mean.
 
 import flax.linen as nn
 import optax
+from flax import nnx
 
 
 class CNN(nn.Module):
@@ -65,3 +66,25 @@ def exits(num_classes):
     import sys
 
     sys.exit(0)
+
+
+class NnxCNN(nnx.Module):
+    """The same CNN as the Flax NNX MNIST tutorial writes one (BatchNorm, and a Dropout that
+    takes ``rngs`` at call time), smaller."""
+
+    def __init__(self, num_classes: int, *, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(rate=0.1)
+        self.linear1 = nnx.Linear(8 * 8 * 8, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, num_classes, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        x = nnx.avg_pool(nnx.relu(self.batch_norm(self.conv(x))), (2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
+        return self.linear2(self.dropout(nnx.relu(self.linear1(x)), rngs=rngs))
+
+
+def make_nnx_model(num_classes):
+    """An NNX factory for ``--model``: (model, per-example loss)."""
+    return NnxCNN(num_classes, rngs=nnx.Rngs(0)), cross_entropy

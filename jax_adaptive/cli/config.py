@@ -1,39 +1,63 @@
-"""What a command-line run trains: `TrainConfig` (one field per flag) and its checks."""
+"""What a command-line run trains: `TrainConfig` (one field per flag) and its checks.
+
+Importing it does not start JAX (nor import optax or the models): `check_config` runs
+before, so that ``--help`` and a bad flag answer at once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import optax
-
-from jax_adaptive import checks, models
+from jax_adaptive import checks
 from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 
+if TYPE_CHECKING:
+    import optax
+
 __all__ = [
-    "GHOST_BATCH_SIZE", "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES",
+    "GHOST_BATCH_SIZE", "IMAGE_MODELS", "MODEL_NAMES", "OBJECTIVES", "OPTIMIZER_NAMES",  # noqa: F822
     "TrainConfig", "check_config", "check_ghost", "ghost_batch_size", "load_factory",
-    "make_optimizer",
+    "make_optimizer", "refusal",
 ]  # fmt: skip
 
-IMAGE_MODELS = {  # each zoo image model and the variables it mutates
-    "cnn": (models.CNN, ()),
-    "mlp": (models.MLP, ()),
-    "resnet-tiny": (models.ResNetTiny, ("batch_stats",)),
-    "resnet18": (models.ResNet18, ("batch_stats",)),
-    "resnet50": (models.ResNet50, ("batch_stats",)),
-    "vit-micro": (models.ViTMicro, ()),
-    "vit-tiny": (models.ViTTiny, ()),
+_ZOO = {  # each zoo image model: its class in jax_adaptive.models, the variables it mutates
+    "cnn": ("CNN", ()),
+    "mlp": ("MLP", ()),
+    "resnet-tiny": ("ResNetTiny", ("batch_stats",)),
+    "resnet18": ("ResNet18", ("batch_stats",)),
+    "resnet50": ("ResNet50", ("batch_stats",)),
+    "vit-micro": ("ViTMicro", ()),
+    "vit-tiny": ("ViTTiny", ()),
 }
-_OPTIMIZERS = {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}
-MODEL_NAMES = (*IMAGE_MODELS, "gpt")  # the choices of --model
-OPTIMIZER_NAMES = tuple(_OPTIMIZERS)  # the choices of --optimizer
+MODEL_NAMES = (*_ZOO, "gpt")  # the choices of --model
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")  # the choices of --optimizer: optax's names
 OBJECTIVES = ("least_padding", "max", "throughput")  # the choices of --objective
 _MAX_T = checks.MAX_TARGET_BATCH_SIZE  # the largest target batch the micro-step counts
+
+
+def __getattr__(name: str) -> Any:
+    """``IMAGE_MODELS``: each zoo image model's class and the variables it mutates.
+
+    Built at first use (PEP 562): the models import Flax and JAX, which the flags' checks
+    do without.
+    """
+    if name != "IMAGE_MODELS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    models = importlib.import_module("jax_adaptive.models")
+    table = {model: (getattr(models, cls), mutable) for model, (cls, mutable) in _ZOO.items()}
+    globals()[name] = table  # built once
+    return table
+
+
+def _batch_norm(model: str) -> bool:
+    """Whether the zoo model ``model`` has BatchNorm statistics (False for any other)."""
+    return bool(_ZOO.get(model, (None, ()))[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +97,7 @@ class TrainConfig:
     data_parallel: bool = False  # split each micro-batch over all devices
     allow_nonfinite: bool = False  # a NaN or infinite loss goes on instead of stopping
     distributed: str | None = None  # "auto" or "HOST:PORT,PROCESSES,ID": jax.distributed
+    distributed_timeout: int = 45  # seconds: for every process to join, for a silent one
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.
@@ -112,21 +137,43 @@ class TrainConfig:
         """``jax.distributed.initialize``'s arguments for ``distributed``; None: one process.
 
         ``"auto"`` leaves them to the cluster's environment (SLURM, Open MPI, ...).
+        ``HOST:PORT,PROCESSES,ID`` is checked whole, before JAX starts (a one-line
+        `ValueError` names the field at fault).
 
         Examples:
             >>> TrainConfig(distributed="localhost:1234,2,1").distributed_args()
             {'coordinator_address': 'localhost:1234', 'num_processes': 2, 'process_id': 1}
-        """
+            >>> TrainConfig(distributed="localhost:notaport,2,0").distributed_args()
+            Traceback (most recent call last):
+            ValueError: --distributed 'localhost:notaport,2,0': the port 'notaport' is not a number from 1 to 65535; write HOST:PORT,PROCESSES,ID with 0 <= ID < PROCESSES, e.g. localhost:1234,2,0, or 'auto'.
+        """  # noqa: E501
         if self.distributed in (None, "auto"):
             return None if self.distributed is None else {}
-        address, processes, index = [*self.distributed.split(","), "", ""][:3]
-        if not (processes.isdigit() and index.isdigit() and int(index) < int(processes)):
+        fields = self.distributed.split(",")
+        host, colon, port = fields[0].rpartition(":")
+        processes, index = [*fields[1:], "", ""][:2]
+        count = int(processes) if processes.isdigit() else 0
+        wrong = refusal(
+            (len(fields) != 3, f"it has {len(fields)} comma-separated fields, not 3"),
+            (not colon or not _HOST.fullmatch(host), f"the host {host!r} is not a host name "
+             "or address (HOST:PORT, [IPv6]:PORT)"),
+            (not (port.isdigit() and 1 <= int(port) <= 65535),
+             f"the port {port!r} is not a number from 1 to 65535"),
+            (count < 1, f"the process count {processes!r} is not a positive number"),
+            (not (index.isdigit() and int(index) < count),
+             f"the process ID {index!r} is not a number from 0 to PROCESSES - 1"),
+        )  # fmt: skip
+        if wrong:
             raise ValueError(
-                f"--distributed {self.distributed!r} must be 'auto' or HOST:PORT,PROCESSES,ID "
-                "with 0 <= ID < PROCESSES, e.g. localhost:1234,2,0."
+                f"--distributed {self.distributed!r}: {wrong}; write HOST:PORT,PROCESSES,ID "
+                "with 0 <= ID < PROCESSES, e.g. localhost:1234,2,0, or 'auto'."
             )
-        return {"coordinator_address": address, "num_processes": int(processes),
+        return {"coordinator_address": fields[0], "num_processes": int(processes),
                 "process_id": int(index)}  # fmt: skip
+
+
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+"""A host of ``--distributed``: a name, an IPv4 address, or an IPv6 one in brackets."""
 
 
 def check_config(config: TrainConfig) -> None:
@@ -148,8 +195,8 @@ def check_config(config: TrainConfig) -> None:
          f"model ({', '.join(MODEL_NAMES)}) nor package.module:factory."),
         (config.target_tokens is not None and not gpt,
          "--target-tokens is for --model gpt; image models take --target-batch-size."),
-        (config.optimizer not in _OPTIMIZERS, f"unknown optimizer {config.optimizer!r}; choose "
-         f"one of {', '.join(_OPTIMIZERS)}."),
+        (config.optimizer not in OPTIMIZER_NAMES, f"unknown optimizer {config.optimizer!r}; "
+         f"choose one of {', '.join(OPTIMIZER_NAMES)}."),
         (config.resume and config.workdir is None,
          "--resume needs --workdir (the directory of the run to resume)."),
         (config.batch_schedule is not None and gpt,
@@ -162,6 +209,7 @@ def check_config(config: TrainConfig) -> None:
     )  # fmt: skip
     config.distributed_args()  # raises naming the flag
     check, t_max = checks.flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
+    check("--distributed-timeout", config.distributed_timeout)
     check("--target-batch-size", config.target_batch_size, **t_max)
     if config.batch_schedule is not None:
         config.schedule()  # raises naming the flag
@@ -184,7 +232,7 @@ def check_config(config: TrainConfig) -> None:
     if config.ghost_batch_size is not None:
         check("--ghost-batch-size", config.ghost_batch_size, low=0, **t_max)
     if ":" not in config.model:  # a user's model is checked once loaded
-        check_ghost(config, bool(IMAGE_MODELS.get(config.model, (None, ()))[1]))
+        check_ghost(config, _batch_norm(config.model))
     check("--eval-every", config.eval_every, low=0)
     if config.target_tokens is not None:
         check("--target-tokens", config.target_tokens, **t_max)
@@ -235,7 +283,7 @@ def ghost_batch_size(config: TrainConfig, batch_norm: bool | None = None) -> int
         True
     """
     if batch_norm is None:
-        batch_norm = bool(IMAGE_MODELS.get(config.model, (None, ()))[1])
+        batch_norm = _batch_norm(config.model)
     if not batch_norm or config.data_parallel or config.ghost_batch_size == 0:
         return None
     if config.ghost_batch_size is not None:
@@ -269,11 +317,20 @@ def check_ghost(config: TrainConfig, batch_norm: bool) -> int | None:
     return ghost
 
 
+def refusal(*checks: tuple[bool, str]) -> str | None:
+    """The message of the first check that is true, or None.
+
+    Examples:
+        >>> refusal((False, "a"), (True, "b"), (True, "c"))
+        'b'
+    """
+    return next((message for wrong, message in checks if wrong), None)
+
+
 def _refuse(*checks: tuple[bool, str]) -> None:
     """Raises the `ValueError` of the first check that is true."""
-    for wrong, message in checks:
-        if wrong:
-            raise ValueError(message)
+    if (message := refusal(*checks)) is not None:
+        raise ValueError(message)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -306,4 +363,6 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """The optax optimizer the config names, at its learning rate."""
-    return _OPTIMIZERS[config.optimizer](config.learning_rate)
+    import optax  # here: the flags are checked before optax (and JAX) are imported
+
+    return getattr(optax, config.optimizer)(config.learning_rate)

@@ -8,10 +8,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jax_adaptive.cli.config import TrainConfig, check_config, ghost_batch_size, make_optimizer
+from jax_adaptive.cli.config import (
+    TrainConfig,
+    check_config,
+    ghost_batch_size,
+    make_optimizer,
+    refusal,
+)
 from jax_adaptive.cli.datasets import ShuffledBatches, load_held_out, load_source, shard_rows
 from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, plural, run_path
@@ -32,16 +37,20 @@ _RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_r
 
 
 def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_state: Any,
-                  example: Any, out: TextIO) -> int | None:  # fmt: skip
+                  example: Any, out: TextIO) -> tuple[int | None, str]:  # fmt: skip
     """``--memory-limit``, or a small device simulated on a CPU (``auto``, no limit).
 
     It holds the smallest size's ledger and a `SIMULATED_SHARE`-th of the rest of the
     largest target batch's, and at least the state beside the first (the optimizer step).
+    Also returns what the plan line says of it: whether a device is simulated, and why not.
     """
     cpu = jax.devices()[0].platform == "cpu"
-    if not (config.simulate_device and config.memory_limit is None and cpu
-            and config.micro_batch_size == "auto" and not config.data_parallel):  # fmt: skip
-        return config.memory_limit
+    if config.memory_limit is not None:
+        what = "a simulated device" if cpu else "a memory limit"
+        return config.memory_limit, f"{what} of {config.memory_limit / 1e6:.2f} MB (--memory-limit)"
+    why_not = _not_simulated(config, cpu)
+    if why_not is not None:
+        return None, why_not
     start, T = time.perf_counter(), max(config.target_sizes())
     probe = AdaptiveTrainer(
         model.loss_fn, make_optimizer(config), target_batch_size=T, micro_batch_size=T,
@@ -59,12 +68,32 @@ def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_sta
         "without a cap",
         file=out,
     )
-    return limit
+    return limit, f"a simulated device of {limit / 1e6:.2f} MB"
+
+
+def _not_simulated(config: TrainConfig, cpu: bool) -> str | None:
+    """Why a run with no ``--memory-limit`` simulates no device, or None when it does.
+
+    Examples:
+        >>> _not_simulated(TrainConfig(data_parallel=True), cpu=True)
+        "no simulated device (--data-parallel: each device's whole memory)"
+        >>> _not_simulated(TrainConfig(), cpu=True) is None
+        True
+    """
+    if not cpu:
+        return "the device's own capacity"
+    return refusal(
+        (not config.simulate_device, "no simulated device (--no-simulated-device)"),
+        (config.micro_batch_size != "auto",
+         f"no simulated device (--micro-batch-size {config.micro_batch_size} is fixed)"),
+        (config.data_parallel, "no simulated device (--data-parallel: each device's whole "
+         "memory)"),
+    )  # fmt: skip
 
 
 def _plan_line(
     trainer: AdaptiveTrainer, search: dict[str, Any], done: int, config: TrainConfig,
-    ghost: int | None,
+    ghost: int | None, device: str,
 ) -> str:  # fmt: skip
     largest, where = trainer.plan_info.largest, search["from_plan_cache"]
     return (
@@ -77,6 +106,7 @@ def _plan_line(
            if largest not in (None, trainer.micro_batch_size) else "")
         + (f" ({bound})" if (bound := trainer.plan_info.bound()) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
+        + f"; {device}"
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
         + (f"; BatchNorm over ghost batches of {ghost}" if ghost else "")
         + (f"; resumed at update {done}" if done else "")
@@ -103,11 +133,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     source = load_source(config.dataset, data_dir=config.data_dir, seed=config.seed)
     example = jax.tree.map(lambda x: np.asarray(x)[None], source[0])  # its shapes
     model = image_model(config, source.num_classes, source[0])
-    variables = model.module.init(
-        jax.random.key(config.seed), jnp.asarray(example["image"]), **model.init_kwargs
-    )
-    params, model_state = variables.pop("params"), dict(variables) if model.mutable else ()
-    limit = _memory_limit(config, model, params, model_state, example, out)
+    params, model_state = model.variables(jax.random.key(config.seed), example["image"])
+    limit, device = _memory_limit(config, model, params, model_state, example, out)
     trainer = AdaptiveTrainer(
         model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size, memory_limit=limit,
@@ -132,7 +159,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
-    print(_plan_line(trainer, search, done, config, model.ghost), file=out)
+    print(_plan_line(trainer, search, done, config, model.ghost, device), file=out)
 
     def evaluate(state: TrainState) -> dict[str, Any]:
         metrics = trainer.evaluate(state, held_out, model.metric_fn)

@@ -1,17 +1,24 @@
-"""``python -m jax_adaptive.train``: `main` parses the flags into a `TrainConfig` for `train`."""
+"""``python -m jax_adaptive.train``: `main` parses the flags into a `TrainConfig` for `train`.
+
+Nothing here imports JAX, optax or the models before the flags are checked: ``--help`` and
+a bad flag answer at once (tests/test_train_cli.py asserts JAX is not imported).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import decimal
 import io
+import logging
+import os
 import re
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
-
-import jax
 
 from jax_adaptive.cli.config import (
     GHOST_BATCH_SIZE,
@@ -21,10 +28,6 @@ from jax_adaptive.cli.config import (
     TrainConfig,
     check_config,
 )
-from jax_adaptive.cli.images import train_images
-from jax_adaptive.cli.language_model import train_gpt
-from jax_adaptive.errors import FitError, NothingFitsError, OptimizerStepOutOfMemory, StateLostError
-from jax_adaptive.plan_cache import enable_compilation_cache
 
 __all__ = ["TrainConfig", "main", "parse_bytes", "train"]
 
@@ -34,10 +37,19 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 
-# What a run can stop with that one line explains: a flag's or a refusal's ValueError, the
-# library's own errors. Anything else (a TypeError in a model, an OSError, an XLA error)
-# propagates with its traceback.
-_ONE_LINE = (ValueError, NothingFitsError, OptimizerStepOutOfMemory, StateLostError)
+
+def _one_line() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """What a run can stop with that one line explains, and the `FitError` that wraps it.
+
+    A flag's or a refusal's ValueError, and the library's own errors. Anything else (a
+    TypeError in a model, an OSError, an XLA error) propagates with its traceback. The
+    library's errors are only looked for once loaded: a bad flag stops before JAX starts.
+    """
+    errors = sys.modules.get("jax_adaptive.errors")
+    if errors is None:
+        return (ValueError,), ()
+    library = (errors.NothingFitsError, errors.OptimizerStepOutOfMemory, errors.StateLostError)
+    return (ValueError, *library), (errors.FitError,)
 
 
 def parse_bytes(text: str) -> int:
@@ -66,6 +78,11 @@ def parse_bytes(text: str) -> int:
 def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """Trains as configured (``gpt``, or an image model) and prints what it does (docs/cli.md).
 
+    With ``distributed``, the processes first meet (`jax_adaptive.cli.hosts.join`), then
+    start ``jax.distributed`` with ``distributed_timeout`` as its initialization and
+    heartbeat timeouts; process 0 alone prints (lines, progress bar, the library's log),
+    and what JAX's C++ libraries print on stdout (gloo's ``[Gloo] Rank ...``) goes to stderr.
+
     Returns:
         A summary: the plan, the search cost and the loss of each update.
 
@@ -80,19 +97,73 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
         (8, 2)
     """
     check_config(config)
+    if (args := config.distributed_args()) and not _distributed_started():
+        from jax_adaptive.cli.hosts import join  # before JAX: the timeout is all waiting
+
+        join(args["coordinator_address"], args["num_processes"], args["process_id"],
+             config.distributed_timeout)  # fmt: skip
+    import jax  # here: a bad flag is refused before JAX starts
+
+    from jax_adaptive.cli.images import train_images
+    from jax_adaptive.cli.language_model import train_gpt
+    from jax_adaptive.plan_cache import enable_compilation_cache
+
     if config.compilation_cache is not None:
         enable_compilation_cache(Path(config.compilation_cache).resolve())
     started = config.distributed is not None and not jax.distributed.is_initialized()
-    if started:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
-        jax.distributed.initialize(**config.distributed_args())
-    if jax.process_index():  # process 0 alone prints (and writes the workdir's lines)
-        out = io.StringIO()
-    try:
-        return (train_gpt if config.model == "gpt" else train_images)(config, out=out)
-    finally:
+    with contextlib.ExitStack() as stack:
         if started:
+            stack.enter_context(_stdout_of_libraries_to_stderr())
+            _start_distributed(config)
+        if jax.process_index():  # process 0 alone prints (and writes the workdir's lines)
+            out, config = io.StringIO(), dataclasses.replace(config, progress=False)
+            stack.enter_context(_quiet_log())
+        summary = (train_gpt if config.model == "gpt" else train_images)(config, out=out)
+        if started:  # a failed process leaves at once (`main`): its peers' collectives fail
             jax.distributed.shutdown()
+        return summary
+
+
+def _start_distributed(config: TrainConfig) -> None:
+    """Starts ``jax.distributed`` (gloo for CPU collectives), the processes joined."""
+    import jax
+
+    args, timeout = config.distributed_args() or {}, config.distributed_timeout
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        **args, initialization_timeout=timeout, heartbeat_timeout_seconds=timeout
+    )
+
+
+@contextlib.contextmanager
+def _stdout_of_libraries_to_stderr() -> Iterator[None]:
+    """File descriptor 1 points at stderr; Python's ``sys.stdout`` keeps the real stdout.
+
+    Gloo writes "[Gloo] Rank ... is connected to ..." lines straight to descriptor 1.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real, sys.stdout = sys.stdout, open(saved, "w", closefd=False)
+    try:
+        yield
+    finally:
+        ours, sys.stdout = sys.stdout, real
+        ours.close()  # flushed; the descriptor is ``saved``, put back below
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _quiet_log() -> Iterator[None]:
+    """The library's log says only warnings (another process than 0 of a job)."""
+    log = logging.getLogger("jax_adaptive")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _micro_batch_size(text: str) -> int | str:
@@ -113,6 +184,16 @@ class _UsageError(Exception):
     """A flag argparse could not read (its message names the flag)."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default, unless it says it in words (or is a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.nargs == 0 or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports a bad flag as one line with exit status 2 (`main` prints it), no usage."""
 
@@ -125,6 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jax_adaptive.train",
         description="Train with a fixed target batch size through the largest micro-batch "
         "that fits the device (or --memory-limit). Guide: docs/cli.md.",
+        formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
     # fmt: off
@@ -136,12 +218,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--dataset", default="synthetic",
         help="'synthetic' (default: images with a learnable signal) or 'tfds:NAME', a TFDS "
         "image dataset prepared as array_record in --data-dir")
-    add("--data-dir", default=None, help="TFDS data dir for tfds:NAME")
-    add("--target-batch-size", type=int, default=256,
-        help="examples per optimizer update (default: 256)")
+    add("--data-dir", default=None,
+        help="TFDS data dir for tfds:NAME (default: none, TFDS's own default)")
+    add("--target-batch-size", type=int, default=256, help="examples per optimizer update")
     add("--batch-schedule", default=None, metavar="UPDATE:SIZE,...",
         help="grow the target batch (image models): 0:64,20:256 takes 64 examples per "
-        "update from update 0, 256 from update 20; overrides --target-batch-size")
+        "update from update 0, 256 from update 20; overrides --target-batch-size (default: "
+        "none, a constant --target-batch-size)")
     add("--target-tokens", type=int, default=None,
         help="--model gpt: padded tokens per update (default 4096)")
     add("--max-length", type=int, default=256,
@@ -150,13 +233,14 @@ def _parser() -> argparse.ArgumentParser:
         help="'auto' to search the largest that fits, or a fixed int")
     add("--memory-limit", type=_memory_size, default=None,
         help="cap on a micro-step's memory, e.g. 8GiB or 512MB; on a CPU it simulates a "
-        "device of that size")
+        "device of that size (default: none, the device's own capacity; on a CPU see "
+        "--no-simulated-device)")
     add("--no-simulated-device", dest="simulate_device", action="store_false",
         help="on a CPU with no --memory-limit, train without a cap (by default a device of "
         "about a quarter of the target batch is simulated, so that the plan accumulates)")
     add("--multiple-of", type=int, default=None,
         help="search only micro-batches that are multiples of this (with a BatchNorm zoo "
-        "model, combined with its ghost batch)")
+        "model, combined with its ghost batch) (default: none, any size)")
     add("--ghost-batch-size", type=int, default=None,
         help="a model with BatchNorm (the zoo's ResNets, yours): examples per BatchNorm "
         f"statistic, the same on any device (default: the largest divisor of {GHOST_BATCH_SIZE} "
@@ -168,21 +252,26 @@ def _parser() -> argparse.ArgumentParser:
     add("--distributed", nargs="?", const="auto", default=None, metavar="HOST:PORT,N,ID",
         help="run as one of N processes under jax.distributed (with --data-parallel), each "
         "reading only its share of every batch; alone, the cluster's environment (SLURM, "
-        "Open MPI, ...) says the coordinator, N and this process's ID")
+        "Open MPI, ...) says the coordinator, N and this process's ID (default: none, one "
+        "process)")
+    add("--distributed-timeout", type=int, default=45, metavar="SECONDS",
+        help="with --distributed: how long each process waits for the others to join, and "
+        "for a silent one before it stops")
     add("--optimizer", default="adam", choices=OPTIMIZER_NAMES,
-        help="the optax optimizer (default: adam)")
+        help="the optax optimizer")
     add("--learning-rate", type=float, default=3e-3, help="its learning rate")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--updates", type=int, default=20, help="optimizer updates to run")
     length.add_argument("--epochs", type=float, default=None,
-                        help="passes over the dataset instead of --updates")
+                        help="passes over the dataset instead of --updates (default: none, "
+                        "--updates)")
     add("--workdir", default=None,
-        help="write plan.json, metrics.jsonl (one line per update) and checkpoints here")
+        help="write plan.json, metrics.jsonl (one line per update) and checkpoints here; one "
+        "run holds it at a time (default: none, nothing written)")
     add("--resume", action="store_true",
         help="go on from the latest checkpoint in --workdir (of the same training)")
     add("--eval-every", type=int, default=10, metavar="N",
-        help="held-out loss and accuracy every N updates and after the last; 0: none "
-        "(default: 10)")
+        help="held-out loss and accuracy every N updates and after the last; 0: none")
     add("--checkpoint-every", type=int, default=10,
         help="updates between checkpoints (and one at the end, or after the last update "
         "trained when an error or Ctrl-C stops the run)")
@@ -192,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
         help="go on when an update's loss is NaN or infinite (by default the run stops "
         "there, exit status 2)")
     add("--objective", choices=OBJECTIVES, default="least_padding",
-        help="least_padding (default): the fewest micro-steps the largest size that fits "
+        help="least_padding: the fewest micro-steps the largest size that fits "
         "allows, with the least padding; max: the largest itself; throughput: the fastest")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--plan-cache", metavar="FILE", default=None,
@@ -201,7 +290,8 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--no-plan-cache", dest="plan_cache", action="store_false",
                        help="search afresh and store nothing")
     add("--compilation-cache", metavar="DIR", default=None,
-        help="JAX's persistent compilation cache in DIR (second runs skip XLA compiles)")
+        help="JAX's persistent compilation cache in DIR (second runs skip XLA compiles; "
+        "default: none, off)")
     # fmt: on
     return parser
 
@@ -224,6 +314,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc} (see --help)", file=sys.stderr)
         return 2
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    try:
+        status = _run(config)
+    except BaseException:
+        if not _distributed_started():
+            raise
+        traceback.print_exc()
+        status = 1
+    if status and _distributed_started():
+        # A process of a jax.distributed job that stops leaves at once: JAX's exit handler
+        # would wait at its shutdown barrier for peers that wait for this one in a
+        # collective. Their collectives then fail, and they stop too (one line each).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _distributed_started() -> bool:
+    """Whether this process started ``jax.distributed`` (without importing JAX)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
+
+
+def _run(config: TrainConfig) -> int:
+    """`train`, and the exit status and one line of what stopped it."""
     error: BaseException
     try:
         train(config)
@@ -234,12 +349,24 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # a user's model or loss ended the process: no run
         print(f"error: the run called sys.exit({exc.code!r}) before it ended", file=sys.stderr)
         return 2
-    except FitError as exc:
-        if not isinstance(exc.__cause__, _ONE_LINE):
+    except Exception as exc:
+        one_line, fit_error = _one_line()
+        cause = exc.__cause__ if isinstance(exc, fit_error) else exc
+        if _peer_lost(cause):
+            error, said = cause, "a process of the jax.distributed job is gone: "
+        elif cause is not exc and isinstance(cause, one_line):
+            error, said = cause, f"training stopped by {type(cause).__name__}: "
+        elif cause is exc and isinstance(exc, one_line):
+            error, said = exc, ""
+        else:
             raise  # its traceback, and the cause's
-        error, said = exc.__cause__, f"training stopped by {type(exc.__cause__).__name__}: "
-    except _ONE_LINE as exc:
-        error, said = exc, ""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     print(f"error: {said}{first}", file=sys.stderr)
     return 2
+
+
+def _peer_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a collective that failed because another process is gone."""
+    return (
+        exc is not None and _distributed_started() and bool(re.search(r"Gloo \w+ failed", str(exc)))
+    )

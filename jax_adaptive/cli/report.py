@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_adaptive.cli.extras import import_extra
+from jax_adaptive.files import write_atomic
 
 __all__ = ["main", "write_report"]
 
@@ -107,8 +109,10 @@ def write_report(workdir: str | Path) -> list[Path]:
     _loss_panel(ax, _metrics(workdir))
     paths = [workdir / "search_trace.png", workdir / "loss.png"]
     for figure, path in zip((search, loss), paths, strict=True):
-        figure.savefig(path, dpi=120, bbox_inches="tight")
+        png = io.BytesIO()
+        figure.savefig(png, format="png", dpi=120, bbox_inches="tight")
         plt.close(figure)
+        write_atomic(path, png.getvalue())  # a report run again replaces it whole
     return paths
 
 

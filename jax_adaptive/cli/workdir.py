@@ -2,14 +2,20 @@
 
 ``plan.json`` is ``{"config", "plans", "search_seconds"}``, a `plan_entry` per trainer.
 Under ``jax.distributed`` process 0 alone writes these; every process saves checkpoints.
+One run holds a workdir at a time (`WorkdirLock`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
+import socket
+import time
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,10 +24,11 @@ import jax
 
 from jax_adaptive.cli.checkpoints import Checkpoints
 from jax_adaptive.cli.config import TrainConfig
+from jax_adaptive.files import write_atomic
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
-__all__ = ["Workdir", "plan_entry"]
+__all__ = ["Workdir", "WorkdirLock", "plan_entry"]
 
 
 def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict[str, Any]:
@@ -38,6 +45,105 @@ def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict
     }
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WorkdirLock:
+    """The lock file ``<directory>/.lock`` of the run that holds a workdir: its pid and host.
+
+    It is created exclusively (``O_EXCL``, never through a symbolic link). A lock left by a
+    process that no longer runs on this host is taken over with a warning; any other is a
+    one-line `ValueError` naming its holder. Under ``jax.distributed`` each process holds
+    its own (``.lock``, ``.lock-1``, ...), so a second job is refused on every process.
+
+    Args:
+        directory: the workdir (it exists).
+        process: this process's index in a ``jax.distributed`` job.
+
+    Examples:
+        >>> import tempfile
+        >>> directory = Path(tempfile.mkdtemp())
+        >>> lock = WorkdirLock(directory)
+        >>> WorkdirLock(directory)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --workdir ... is in use by process ... on host ... (since ...); wait ...
+        >>> lock.release(); WorkdirLock(directory).release()
+    """
+
+    def __init__(self, directory: str | Path, process: int = 0):
+        self.path = Path(directory) / (".lock" if not process else f".lock-{process}")
+        self.holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+        if self._create():
+            return
+        # Takeovers of a stale lock are serialised (a flock of the directory: no file is
+        # written): two runs that both find it stale must not both remove it, the second
+        # would remove the first's new lock.
+        guard = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # released when the descriptor closes
+            if self._create():
+                return
+            held = self._read()
+            here = held.get("host") == self.holder["host"]
+            pid = held.get("pid")
+            if not (here and isinstance(pid, int) and pid > 0 and not _alive(pid)):
+                gone = "." if here and pid else f" (if it has ended, remove {self.path})."
+                raise ValueError(
+                    f"--workdir {str(self.path.parent)!r} is in use by process {pid} on host "
+                    f"{held.get('host')} (since {held.get('since')}); wait for that run to end, "
+                    f"or use another --workdir{gone}"
+                )
+            self.path.unlink()
+            if not self._create():  # a run that takes no takeover guard: none of ours
+                raise ValueError(f"--workdir {str(self.path.parent)!r} was taken meanwhile.")
+        finally:
+            os.close(guard)
+        warnings.warn(
+            f"took over {self.path} from process {pid}, which no longer runs on this host "
+            f"(a run that was killed?); held since {held.get('since')}.",
+            stacklevel=2,
+        )
+
+    def _create(self) -> bool:
+        """Creates the lock file with this process as holder; False if there is one."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ValueError(f"{self.path} is a symbolic link; remove it.") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.holder))
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _read(self) -> dict[str, Any]:
+        """The holder a lock file names; {} for one written half (its writer was killed)."""
+        try:
+            held = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return held if isinstance(held, dict) else {}
+
+    def release(self) -> None:
+        """Removes the lock file if this process still holds it."""
+        if self._read() == self.holder:
+            self.path.unlink(missing_ok=True)
+
+
 class Workdir(contextlib.AbstractContextManager):
     """A run's directory, created when missing.
 
@@ -47,8 +153,9 @@ class Workdir(contextlib.AbstractContextManager):
         run, examples_per_update: `Checkpoints`'s; no checkpoints when ``run`` is None.
 
     Raises:
-        ValueError: a directory that cannot be used, or holds checkpoints that are not
-            to be resumed or cannot be (`Checkpoints.check_resumable`).
+        ValueError: a directory that cannot be used, is held by another run
+            (`WorkdirLock`, checked before anything is written), or holds checkpoints
+            that are not to be resumed or cannot be (`Checkpoints.check_resumable`).
     """
 
     def __init__(
@@ -65,21 +172,23 @@ class Workdir(contextlib.AbstractContextManager):
         self.primary = jax.process_index() == 0  # the one process writing plans and lines
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
+        self.checkpoints = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            if self.primary:
-                (self.path / "metrics.jsonl").touch()
+            self.lock = WorkdirLock(self.path, jax.process_index())  # before any write
         except OSError as exc:
             raise ValueError(
                 f"--workdir {str(path)!r} cannot be used: {exc.strerror or exc}."
             ) from exc
-        self.checkpoints = None
-        if run is None:
-            return
-        self.checkpoints = Checkpoints(
-            self.path / "checkpoints", dict(run), examples_per_update=examples_per_update
-        )
-        try:  # checkpoints moved aside count: a run that does not resume starts over them
+        try:
+            if self.primary:
+                (self.path / "metrics.jsonl").touch()
+            if run is None:
+                return
+            self.checkpoints = Checkpoints(
+                self.path / "checkpoints", dict(run), examples_per_update=examples_per_update
+            )
+            # checkpoints moved aside count: a run that does not resume starts over them
             if self.checkpoints.latest() is not None or self.checkpoints.aside():
                 if not config.resume:
                     raise ValueError(
@@ -87,8 +196,8 @@ class Workdir(contextlib.AbstractContextManager):
                         "another --workdir."
                     )
                 self.checkpoints.check_resumable()  # before anything is built
-        except ValueError:
-            self.checkpoints.close()
+        except BaseException:
+            self.__exit__()
             raise
 
     def write_plan(self, plans: list[dict[str, Any]], *, search_seconds: float) -> None:
@@ -96,7 +205,7 @@ class Workdir(contextlib.AbstractContextManager):
         plan = {"plans": plans, "search_seconds": search_seconds}
         if plan != self._plan and self.primary:
             text = {"config": dataclasses.asdict(self.config), **plan}
-            (self.path / "plan.json").write_text(json.dumps(text, indent=1, default=str))
+            write_atomic(self.path / "plan.json", json.dumps(text, indent=1, default=str))
             self._plan = plan
 
     def start(self, done: int) -> None:
@@ -112,9 +221,7 @@ class Workdir(contextlib.AbstractContextManager):
                     kept.append(line + "\n")
             except (ValueError, KeyError, TypeError):
                 continue
-        tmp = path.with_name(f".metrics-{os.getpid()}.jsonl")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
         self._metrics = open(path, "a")
 
     def log(self, line: dict[str, Any]) -> None:
@@ -140,8 +247,11 @@ class Workdir(contextlib.AbstractContextManager):
             self.checkpoints.save(update, state, position)
 
     def __exit__(self, *exc: object) -> None:
-        """Closes the metrics file and waits for the checkpoints."""
-        if self._metrics is not None:
-            self._metrics.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        """Closes the metrics file, waits for the checkpoints and releases the workdir."""
+        try:
+            if self._metrics is not None:
+                self._metrics.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+        finally:
+            self.lock.release()
