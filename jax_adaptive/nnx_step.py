@@ -452,7 +452,7 @@ class AdaptiveNnxStep:
         self.step_fn = inspect.unwrap(step_fn)
         self.batch_argnum = batch_argnum
         self.step_kwargs = step_kwargs
-        self._programs: dict[Any, _Programs] = {}
+        self._programs: dict[tuple[Any, int], _Programs] = {}  # by graph and batch size
         self._in_use: _Programs | None = None
         self._batch_size = 0
         self._fault_hook: Any = None
@@ -511,10 +511,12 @@ class AdaptiveNnxStep:
         others = tuple(a for i, a in enumerate(args) if i != b and i not in nodes)
         graphdef, state = nnx.split(nodes)
         batch, self._batch_size = args[b], leading_size(args[b])
-        programs = self._programs.get(graphdef)
+        # A batch of another size may hold other ghost batches: its own plan, multiples of them.
+        key = (graphdef, self._batch_size)
+        programs = self._programs.get(key)
         if programs is None:
             programs = self._discover(graphdef, b, len(args), state, batch, others)
-            self._programs[graphdef] = programs
+            self._programs[key] = programs
         self._in_use, self.step = programs, programs.gradient
         records: tuple[_Record, ...] = ()
         if programs.calls:

@@ -373,3 +373,36 @@ def test_micro_batch_value_and_grad_outside_the_adaptive_step_warns_once():
         for _ in range(3):
             step(model, optimizer, _LINEAR_BATCH)
     assert len(warned) == 1
+
+
+def test_a_batch_of_another_size_gets_its_own_ghost_batches_and_plan():
+    class Normed(nnx.Module):  # BatchNorm: ghost batches of gcd(32, T) by default
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(16, 256, rngs=rngs)
+            self.norm = nnx.BatchNorm(256, rngs=rngs)
+            self.out = nnx.Linear(256, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.norm(self.linear(x))))
+
+    def step_fn(model, optimizer, batch):
+        loss_fn = lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean()  # noqa: E731
+        _, grads = ja.micro_batch_value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+
+    def batch(n):
+        x = np.random.default_rng(n).normal(size=(n, 16)).astype(np.float32)
+        return {"x": x, "y": x[:, :1]}
+
+    def objects():
+        model = Normed(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    probe = ja.AdaptiveNnxStep(step_fn, plan_cache=False)
+    probe(*objects(), batch(64))
+    step = ja.AdaptiveNnxStep(step_fn, memory_limit=probe.step.ledger(32).total, plan_cache=False)
+    model, optimizer = objects()
+    step(model, optimizer, batch(40))  # ghost batches of 8
+    assert step.micro_batch_size % 8 == 0
+    step(model, optimizer, batch(64))  # of 32: a plan of its own, multiples of 32
+    assert step.micro_batch_size == 32
