@@ -46,8 +46,11 @@ def run_job(out, margin_mb, updates, what="trainer"):
     # opens reserves 64 MiB, and glibc's moving mmap threshold keeps freed blocks mapped
     # (VmSize after an update varied by 120 MiB from one update to the next). Two arenas
     # and a fixed threshold keep the limit about the memory XLA allocates.
+    # The job itself must leave the user's plan cache alone: the session's
+    # JAX_ADAPTIVE_PLAN_CACHE=off (conftest) is not passed on, the cache dir is a fresh one.
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "JAX_ADAPTIVE_PLAN_CACHE"},
+        "XDG_CACHE_HOME": str(out.parent / "cache"),
         "MALLOC_ARENA_MAX": "2",
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "MALLOC_TRIM_THRESHOLD_": "0",
@@ -61,6 +64,7 @@ def run_job(out, margin_mb, updates, what="trainer"):
         if not (result.returncode < 0 and _ABORTS.search(result.stderr)):
             break
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out.parent / "cache").exists(), "the job wrote a cache of the user's"
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     report = json.loads(line.removeprefix("RESULT "))
     assert report["planned"] == job.T
