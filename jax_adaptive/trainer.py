@@ -15,7 +15,7 @@ from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Agreement, Placement, place, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
-from jax_adaptive.loop import fit_loop
+from jax_adaptive.loop import Kept, fit_loop
 from jax_adaptive.memory import Ledger
 from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
@@ -421,18 +421,18 @@ class AdaptiveTrainer:
             stream.size = self.process_batch_size  # the next update's (a schedule's)
             return state, metrics
 
-        history: list[dict[str, Any]] = []
+        kept = Kept(state)  # what was done, whole, wherever an interrupt lands
         try:
             with stream:  # what was read and not trained on goes back to the stream
-                state, history = fit_loop(
+                fit_loop(
                     step, state, stream if self.placement.processes == 1 else while_all(stream),
                     num_updates, progress=progress, on_update=on_update,
-                    after_update=after, taken=stream.taken,
+                    after_update=after, taken=stream.taken, kept=kept,
                 )  # fmt: skip
         except KeyboardInterrupt as exc:  # wherever it landed, it carries what was done
-            if not hasattr(exc, "state"):
-                exc.state, exc.history = state, history  # type: ignore[attr-defined]
+            exc.state, exc.history = kept.state, kept.history  # type: ignore[attr-defined]
             raise
+        state, history = kept.state, kept.history
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history

@@ -5,6 +5,8 @@ item was read on. Events, not timings, show that an item was read before it was 
 for; the waits on them have generous timeouts that only a broken reader reaches.
 """
 
+import os
+import signal
 import threading
 import time
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_adaptive as ja
-from jax_adaptive.read_ahead import ReadAhead
+from jax_adaptive.read_ahead import ReadAhead, interrupts_deferred
 
 WAIT = 10.0  # seconds: only a reader that does not read ahead waits this long
 
@@ -99,3 +101,45 @@ def test_a_rebatcher_closed_with_an_error_read_ahead_raises_it_to_the_streams_ne
 def test_a_bad_read_ahead_is_refused_with_its_value(depth):
     with pytest.raises(ValueError, match=f"read_ahead={depth!r}"):
         ja.Rebatcher([np.zeros(2)], 2, read_ahead=depth)
+
+
+def test_close_waits_for_a_read_in_progress_and_keeps_its_item():
+    """Issue 37, fault 2: no thread of ours outlives `close`, and the read it waited for is
+    handed back, not lost inside the thread."""
+    started = threading.Event()
+
+    def slow():
+        yield 0
+        started.set()
+        time.sleep(0.3)  # the read in progress when `close` comes
+        yield 1
+        yield 2
+
+    stream = slow()
+    reader = ReadAhead(stream, depth=1)
+    assert next(reader) == 0
+    assert started.wait(WAIT)
+    unread = reader.close()
+    assert not reader._thread.is_alive()
+    assert unread.items + list(stream) == [1, 2]
+
+
+def test_a_signal_a_handler_of_the_users_raises_on_is_held_then_handled_once():
+    """Issue 37, fault 1: any signal with a Python handler, not only the default Ctrl-C."""
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred() as held:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGALRM)
+                time.sleep(0.01)  # its handler would run here: the block holds it
+            assert calls == [] and held == [signal.SIGALRM] * 2
+        assert calls == [signal.SIGALRM]  # one call, as the system merges a pending signal
+        assert signal.getsignal(signal.SIGALRM) is handler
+    finally:
+        signal.signal(signal.SIGALRM, previous)
