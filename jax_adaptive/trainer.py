@@ -391,7 +391,8 @@ class AdaptiveTrainer:
             eval_every: `evaluate` every this many updates and after the last (``eval_*``).
             eval_data: one batch, a list of batches, or a callable giving a fresh one.
             metric_fn: the per-example metrics, as `evaluate` takes them.
-            read_ahead: batches a background thread reads while updates run (0: none).
+            read_ahead: batches a background thread reads while updates run (0: none);
+                the thread ends with ``fit`` (a read in progress is waited for).
 
         Returns:
             The state and one metrics dict (host values) per update.
@@ -399,6 +400,9 @@ class AdaptiveTrainer:
         Raises:
             FitError: any error part-way, as its ``__cause__``, with the last good
                 ``state``, the ``history`` and the ``batch`` in flight.
+            KeyboardInterrupt: from wherever it landed (Ctrl-C, or a handler of any
+                signal), with ``.state`` and ``.history``; the examples not trained on
+                stay with the iterator.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
