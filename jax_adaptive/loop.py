@@ -17,7 +17,13 @@ from typing import Any, Generic, TypeVar
 import jax
 
 from jax_adaptive.errors import FitError, OptimizerStepOutOfMemory
-from jax_adaptive.read_ahead import ReadAhead, Unread, interrupts_deferred
+from jax_adaptive.read_ahead import (
+    ReadAhead,
+    Unread,
+    interrupts_deferred,
+    interrupts_relayed,
+    raise_lost,
+)
 
 __all__ = ["Kept", "fit_loop"]
 
@@ -143,50 +149,55 @@ def fit_loop(
     began, examples = time.perf_counter(), 0
     iterator, reader, batch = iter(batches), None, None
     try:
-        try:
-            if read_ahead:
-                with interrupts_deferred():  # a thread started is a thread closed below
-                    reader = ReadAhead(iterator, read_ahead)
-            while num_updates is None or len(history) < num_updates:
-                try:
-                    if reader is None:  # a Rebatcher with ``lend`` keeps it until `taken`
-                        batch = next(iterator)
-                    else:
-                        reader.wait()  # interruptible; what follows does not block
-                        with interrupts_deferred():  # taken from the reader: in flight
-                            batch = next(reader)
-                except StopIteration:
-                    break
-                new_state, metrics = _update(step, state, batch, retries, kept)
-                metrics = _on_host(metrics)
-                with interrupts_deferred():  # the new state, its history and the batch taken
-                    state, batch = new_state, None  # done: nothing in flight
-                    kept.state = state
-                    history.append(metrics)
-                    if taken is not None:
-                        taken()
-                update = start + len(history)
-                if after_update is not None:
-                    metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
-                if on_update is not None:
-                    on_update(update, metrics)
-                examples += int(metrics.get("examples", 0))
-                bar.set_postfix(
-                    loss=f"{float(metrics['loss']):.4f}",
-                    ex_s=f"{examples / (time.perf_counter() - began):,.0f}",
-                    micro=metrics.get("micro_batch_size"),
-                    accum=metrics.get("accumulation_steps"),
-                )
-                bar.update()
-        except Exception as exc:
-            if batch is not None and taken is not None:
-                taken()  # the error holds the batch: the stream moves past it
-            raise FitError(kept.state, history, batch, exc) from exc
-        finally:
-            bar.close()
-            if reader is not None:  # its thread ends here, what it read is handed on
-                with interrupts_deferred():
-                    unread(reader.close())  # type: ignore[misc]
+        # What a signal handler raised inside a gc callback (which Python drops) is
+        # raised again between updates and in the waits for the stream.
+        with interrupts_relayed():
+            try:
+                if read_ahead:
+                    with interrupts_deferred():  # a thread started is a thread closed below
+                        reader = ReadAhead(iterator, read_ahead)
+                while num_updates is None or len(history) < num_updates:
+                    raise_lost()
+                    try:
+                        if reader is None:  # a Rebatcher with ``lend`` keeps it until `taken`
+                            batch = next(iterator)
+                        else:
+                            reader.wait()  # interruptible; what follows does not block
+                            with interrupts_deferred():  # taken from the reader: in flight
+                                batch = next(reader)
+                    except StopIteration:
+                        break
+                    new_state, metrics = _update(step, state, batch, retries, kept)
+                    metrics = _on_host(metrics)
+                    raise_lost()  # before the new state is kept: the batch goes back
+                    with interrupts_deferred():  # the new state, its history and the batch taken
+                        state, batch = new_state, None  # done: nothing in flight
+                        kept.state = state
+                        history.append(metrics)
+                        if taken is not None:
+                            taken()
+                    update = start + len(history)
+                    if after_update is not None:
+                        metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
+                    if on_update is not None:
+                        on_update(update, metrics)
+                    examples += int(metrics.get("examples", 0))
+                    bar.set_postfix(
+                        loss=f"{float(metrics['loss']):.4f}",
+                        ex_s=f"{examples / (time.perf_counter() - began):,.0f}",
+                        micro=metrics.get("micro_batch_size"),
+                        accum=metrics.get("accumulation_steps"),
+                    )
+                    bar.update()
+            except Exception as exc:
+                if batch is not None and taken is not None:
+                    taken()  # the error holds the batch: the stream moves past it
+                raise FitError(kept.state, history, batch, exc) from exc
+            finally:
+                bar.close()
+                if reader is not None:  # its thread ends here, what it read is handed on
+                    with interrupts_deferred():
+                        unread(reader.close())  # type: ignore[misc]
     except KeyboardInterrupt as exc:  # stays itself, carrying what was done
         exc.state, exc.history = kept.state, history  # type: ignore[attr-defined]
         exc.add_note(f"fit: {len(history)} updates completed; see .state and .history")

@@ -11,15 +11,26 @@ from __future__ import annotations
 import _signal
 import collections
 import contextlib
+import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["ReadAhead", "Unread", "interrupts_deferred"]
+__all__ = ["ReadAhead", "Unread", "interrupts_deferred", "interrupts_relayed", "raise_lost"]
 
 _POLL = 0.05
 """Seconds between a waiting main thread's looks at a held signal."""
+
+CLOSE_PATIENCE = 2.0
+"""Seconds `ReadAhead.close` waits for a read in progress before a Ctrl-C may end the wait.
+
+Past them, a Ctrl-C under Python's default handler (a second one: the first is what
+stopped training) stops waiting for a stream that may never return; what that read
+gives is lost with the thread, which ends once it returns."""
+
+log = logging.getLogger("jax_adaptive")
 
 _deferring = threading.local()
 
@@ -71,7 +82,7 @@ def interrupts_deferred() -> Iterator[list[int]]:
         held.append(signum)
 
     previous: dict[int, Any] = {}
-    _deferring.held = held
+    _deferring.held, _deferring.previous = held, previous
     try:
         for signum in _python_handled():
             # `signal.signal` runs the handlers of signals pending before it swaps: one
@@ -79,9 +90,84 @@ def interrupts_deferred() -> Iterator[list[int]]:
             previous[signum] = signal.signal(signum, hold)
         yield held
     finally:
-        _deferring.held = None
+        _deferring.held = _deferring.previous = None
         errors = _restore(previous, hold)
         _run_handlers(held, previous, errors)
+
+
+_relayed = threading.local()
+
+
+@contextlib.contextmanager
+def interrupts_relayed() -> Iterator[None]:
+    """Keeps what signal handlers raise inside the block, for `raise_lost` to raise again.
+
+    Python runs a signal's handler between two bytecodes of the main thread wherever it
+    is: inside a garbage-collector callback or a ``__del__`` too, where what the handler
+    raises is printed and dropped (found: a test's Ctrl-C landed in JAX's gc callback,
+    ``jax._src.lib._xla_gc_callback``, and ``fit`` trained on for ever; the rare hang of
+    issue 37). Each Python handler is wrapped to keep what it raises; `raise_lost`, called
+    where an interrupt may land, raises again what was kept and did not reach the caller.
+    Only in the main thread; a block inside another shares the outer one's.
+    """
+    if getattr(_relayed, "raised", None) is not None:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[BaseException] = []
+    relays: dict[int, Any] = {}
+    previous: dict[int, Any] = {}
+
+    def wrap(handler: Any) -> Any:
+        def relay(signum: int, frame: Any) -> None:
+            try:
+                handler(signum, frame)
+            except BaseException as exc:  # kept, and raised on as it was
+                raised.append(exc)
+                raise
+
+        relay.wrapped = handler  # type: ignore[attr-defined]
+        return relay
+
+    _relayed.raised = raised
+    try:
+        for signum in _python_handled():
+            relays[signum] = wrap(_getsignal(signum))
+            previous[signum] = signal.signal(signum, relays[signum])
+        yield
+    finally:
+        _relayed.raised = None
+        errors: list[BaseException] = []
+        for signum, handler in previous.items():
+            while _getsignal(signum) is relays[signum]:  # not replaced inside the block
+                try:
+                    signal.signal(signum, handler)
+                except BaseException as exc:  # raised below, in order
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def raise_lost() -> None:
+    """Raises again what a signal handler raised and Python dropped (`interrupts_relayed`).
+
+    Call it where an interrupt may land, never while an exception propagates: what the
+    handlers raised since the last call and did not end the caller's work was dropped.
+    """
+    raised = getattr(_relayed, "raised", None)
+    if raised:
+        exc = raised.pop(0)
+        raised.clear()
+        raise exc
+
+
+def _ctrl_c_held(held: list[int]) -> bool:
+    """Whether a Ctrl-C is held for Python's own SIGINT handler (a person at the keyboard)."""
+    handler = (getattr(_deferring, "previous", None) or {}).get(signal.SIGINT)
+    handler = getattr(handler, "wrapped", handler)  # under `interrupts_relayed`
+    return signal.SIGINT in held and handler is signal.default_int_handler
 
 
 def _restore(previous: dict[int, Any], hold: Any) -> list[BaseException]:
@@ -227,6 +313,8 @@ class ReadAhead:
         shared = self._shared
         while not self._finished:
             nested = deferring()
+            if not nested:
+                raise_lost()  # an interrupt a gc callback dropped lands here
             with interrupts_deferred() as held, shared.lock:
                 # Held here, a signal cannot land inside the condition's own code (where
                 # it could take a wake-up and lose it); its handler runs at the block's end.
@@ -260,11 +348,24 @@ class ReadAhead:
 
         Returns:
             The `Unread` items and the stream's error (not raised here). The thread has
-            ended. A stream that ended stays ended; the reader reads no more.
+            ended, but after a Ctrl-C past `CLOSE_PATIENCE` seconds of waiting. A stream
+            that ended stays ended; the reader reads no more.
         """
-        with interrupts_deferred():  # the thread stopped and what it read handed back
+        with interrupts_deferred() as held:  # the thread stopped and what it read handed back
             self._stop()
-            self._thread.join()  # a read in progress: its item is kept (signals wait)
+            began = time.monotonic()
+            while self._thread.is_alive():  # a read in progress: its item is kept
+                # Signals held: CPython 3.11's Thread.join, interrupted, marks a live
+                # thread stopped (threading._wait_for_tstate_lock, bpo-45274's handler).
+                self._thread.join(_POLL)
+                waited = time.monotonic() - began
+                if self._thread.is_alive() and waited > CLOSE_PATIENCE and _ctrl_c_held(held):
+                    log.warning(
+                        "Ctrl-C: stopped waiting after %.1f s for a read of the stream in "
+                        "progress; what it reads is lost, and its thread ends when it returns",
+                        waited,
+                    )
+                    break
             items, error = [], None
             shared = self._shared
             while shared.read and not self._finished:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jax_adaptive as ja
+from jax_adaptive import read_ahead
 from jax_adaptive.read_ahead import ReadAhead, interrupts_deferred
 
 WAIT = 10.0  # seconds: only a reader that does not read ahead waits this long
@@ -143,3 +144,33 @@ def test_a_signal_a_handler_of_the_users_raises_on_is_held_then_handled_once():
         assert signal.getsignal(signal.SIGALRM) is handler
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_ctrl_c_ends_a_wait_for_a_read_that_blocks_once_past_the_patience(monkeypatch):
+    """A stream that never returns must not make Ctrl-C useless: past CLOSE_PATIENCE (0.2 s
+    here) a Ctrl-C held while `close` waits ends the wait; the thread ends with its read."""
+    monkeypatch.setattr(read_ahead, "CLOSE_PATIENCE", 0.2)
+    release = threading.Event()
+
+    def blocked():
+        yield 0
+        release.wait(WAIT)  # a stalled worker
+        yield 1
+
+    reader = ReadAhead(blocked(), depth=1)
+    assert next(reader) == 0
+    main = threading.main_thread().ident
+    press = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
+    start = time.perf_counter()
+    press.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reader.close()  # the Ctrl-C at 0.05 s is held, then ends the wait at 0.2 s
+        waited = time.perf_counter() - start
+        assert 0.2 <= waited < 0.2 + WAIT / 4, waited
+        assert reader._thread.is_alive()  # still in the stream's __next__
+    finally:
+        press.join()
+        release.set()
+        reader._thread.join(WAIT)
+    assert not reader._thread.is_alive()
