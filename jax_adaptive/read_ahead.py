@@ -81,13 +81,15 @@ def interrupts_deferred() -> Iterator[list[int]]:
     def hold(signum: int, frame: Any) -> None:
         held.append(signum)
 
-    previous: dict[int, Any] = {}
+    # Read before any swap: a handler raising between a swap and a store of what it
+    # replaced would leave that signal held for ever (seen: SIGINT, after an alarm).
+    previous = {signum: _getsignal(signum) for signum in _python_handled()}
     _deferring.held, _deferring.previous = held, previous
     try:
-        for signum in _python_handled():
+        for signum in previous:
             # `signal.signal` runs the handlers of signals pending before it swaps: one
-            # may raise here, with this signal's handler not swapped (the block not entered).
-            previous[signum] = signal.signal(signum, hold)
+            # may raise here (the block not entered); the finally puts back what was swapped.
+            signal.signal(signum, hold)
         yield held
     finally:
         _deferring.held = _deferring.previous = None
@@ -117,8 +119,6 @@ def interrupts_relayed() -> Iterator[None]:
         yield
         return
     raised: list[BaseException] = []
-    relays: dict[int, Any] = {}
-    previous: dict[int, Any] = {}
 
     def wrap(handler: Any) -> Any:
         def relay(signum: int, frame: Any) -> None:
@@ -131,11 +131,12 @@ def interrupts_relayed() -> Iterator[None]:
         relay.wrapped = handler  # type: ignore[attr-defined]
         return relay
 
+    previous = {signum: _getsignal(signum) for signum in _python_handled()}  # before any swap
+    relays = {signum: wrap(handler) for signum, handler in previous.items()}
     _relayed.raised = raised
     try:
-        for signum in _python_handled():
-            relays[signum] = wrap(_getsignal(signum))
-            previous[signum] = signal.signal(signum, relays[signum])
+        for signum, relay in relays.items():
+            signal.signal(signum, relay)
         yield
     finally:
         _relayed.raised = None

@@ -150,27 +150,25 @@ def test_a_ctrl_c_ends_a_wait_for_a_read_that_blocks_once_past_the_patience(monk
     """A stream that never returns must not make Ctrl-C useless: past CLOSE_PATIENCE (0.2 s
     here) a Ctrl-C held while `close` waits ends the wait; the thread ends with its read."""
     monkeypatch.setattr(read_ahead, "CLOSE_PATIENCE", 0.2)
-    release = threading.Event()
+    reading, release = threading.Event(), threading.Event()
 
     def blocked():
         yield 0
+        reading.set()
         release.wait(WAIT)  # a stalled worker
         yield 1
 
     reader = ReadAhead(blocked(), depth=1)
-    assert next(reader) == 0
-    main = threading.main_thread().ident
-    press = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
+    assert next(reader) == 0 and reading.wait(WAIT)  # the read that blocks has begun
     start = time.perf_counter()
-    press.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
-            reader.close()  # the Ctrl-C at 0.05 s is held, then ends the wait at 0.2 s
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():  # as fit's close is
+            os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, held
+            reader.close()  # waits 0.2 s, then gives up on the read
         waited = time.perf_counter() - start
         assert 0.2 <= waited < 0.2 + WAIT / 4, waited
         assert reader._thread.is_alive()  # still in the stream's __next__
     finally:
-        press.join()
         release.set()
         reader._thread.join(WAIT)
     assert not reader._thread.is_alive()
