@@ -285,6 +285,10 @@ class AdaptiveStep:
     def __call__(self, *args: Any) -> Any:
         """Runs the step on ``args``; an out-of-memory re-plans smaller and runs them again.
 
+        A size that ran before is kept unless it fails twice in one call (the trainer's
+        rule): its first real out-of-memory runs it once more, after a full collection and
+        with a host copy of the donated arguments.
+
         Raises:
             NothingFitsError: not even the smallest size fits; its ``arguments`` are
                 ``args`` intact (a donated state put back).
@@ -293,9 +297,10 @@ class AdaptiveStep:
         """
         self._plan(args)
         self._program.start()
+        again = False  # a size that ran failed: its second run keeps a host copy
         while True:
             size = self.micro_batch_size
-            cautious = not self._program.has_run(size) or self.host_backup == "every_call"
+            cautious = again or not self._program.has_run(size) or self.host_backup == "every_call"
             saved: dict[int, tuple[np.ndarray, Any]] | None = {} if cautious else None
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
@@ -303,6 +308,11 @@ class AdaptiveStep:
                 return out
             args = self._restore(args, saved)
             del out, saved  # what the failed attempt held goes before the retry
+            # A size that ran is kept unless it fails again (the trainer's rule): one
+            # failure can be a moment's (another job's peak, the last call's arrays).
+            again = self._program.again(error, size, reason="call")
+            if again:
+                continue
             try:
                 lo = self.multiple_of
                 largest = self._program.shrink(error, size, reason="call", multiple_of=lo, least=lo)

@@ -12,18 +12,36 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 
 from jax_adaptive.errors import FitError, OptimizerStepOutOfMemory
-from jax_adaptive.read_ahead import ReadAhead, Unread, interrupts_deferred
+from jax_adaptive.read_ahead import (
+    ReadAhead,
+    Unread,
+    interrupts_deferred,
+    interrupts_relayed,
+    raise_lost,
+)
 
-__all__ = ["fit_loop"]
+__all__ = ["Kept", "fit_loop"]
 
 log = logging.getLogger("jax_adaptive")
 
 State = TypeVar("State")
+
+
+class Kept(Generic[State]):
+    """What `fit_loop` has done so far: the last good state and the history, kept whole.
+
+    For a caller that an interrupt may reach after `fit_loop` returned and before it
+    stored the result (Python runs signal handlers after a call returns): it reads these.
+    """
+
+    def __init__(self, state: State):
+        self.state = state
+        self.history: list[dict[str, Any]] = []
 
 
 def _update(
@@ -31,18 +49,17 @@ def _update(
     state: State,
     batch: Any,
     retries: int,
-    kept: list[State],
+    kept: Kept[State],
 ) -> tuple[State, dict[str, Any]]:
     """One update, retried from the kept state when the optimizer step runs out of memory.
 
-    ``kept`` receives the state an out-of-memory handed back, for the caller's error.
+    ``kept.state`` receives the state an out-of-memory handed back, for the caller's error.
     """
     for attempt in range(retries + 1):
         try:
             return step(state, batch)
         except OptimizerStepOutOfMemory as exc:
-            state = exc.state  # the update's intact start: the batch runs again from it
-            kept.append(state)
+            state = kept.state = exc.state  # the update's intact start: the batch runs again
             if attempt == retries:
                 raise
             log.warning(
@@ -72,6 +89,7 @@ def fit_loop(
     read_ahead: int = 0,
     unread: Callable[[Unread], None] | None = None,
     taken: Callable[[], None] | None = None,
+    kept: Kept[State] | None = None,
 ) -> tuple[State, list[dict[str, Any]]]:
     """Runs ``step`` on each batch until the stream ends or ``num_updates`` are done.
 
@@ -90,12 +108,16 @@ def fit_loop(
             bar start at ``start + 1``.
         read_ahead: how many batches a background thread reads ahead
             (`jax_adaptive.read_ahead.ReadAhead`); 0 reads each when needed, in this thread.
+            The thread has ended when the loop returns or raises (a read in progress is
+            waited for).
         unread: required with ``read_ahead``: given what was read ahead and not trained
             on (an `jax_adaptive.read_ahead.Unread`) when the loop ends, however it ends.
         taken: called when the batch in flight is done with: its update kept (in one
-            step with the new state, whole under Ctrl-C), or failed with an error (the
-            `jax_adaptive.FitError` holds it); not on a Ctrl-C, which leaves it with the
-            stream (a `jax_adaptive.Rebatcher` with ``lend``).
+            step with the new state, whole under interrupts), or failed with an error
+            (the `jax_adaptive.FitError` holds it); not on a KeyboardInterrupt, which
+            leaves it with the stream (a `jax_adaptive.Rebatcher` with ``lend``).
+        kept: where the last good state and the history are kept as the loop goes
+            (a caller's `Kept`, read when an interrupt reaches it after the return).
 
     Returns:
         The state and one metrics dict (host values) per update.
@@ -103,6 +125,8 @@ def fit_loop(
     Raises:
         FitError: from any error of the stream, the step or a hook (``retries``
             exhausted, too), with the last good state, the history and the batch in flight.
+        KeyboardInterrupt: itself, from wherever it landed (a handler of any signal may
+            raise it), with ``.state`` and ``.history`` as `Kept` holds them.
 
     Examples:
         >>> seen, it, left = [], iter([3, 4, 5]), []  # a resumed run: updates 3 and 4
@@ -118,49 +142,64 @@ def fit_loop(
         raise ValueError(f"num_updates={num_updates} must be a positive int or None.")
     if read_ahead and unread is None:
         raise ValueError("read_ahead needs unread, which takes what was read and not trained on.")
-    history: list[dict[str, Any]] = []
+    kept = Kept(state) if kept is None else kept
+    history = kept.history
     total = None if num_updates is None else start + num_updates
     bar = tqdm(total=total, initial=start, disable=not progress, unit="update", leave=False)
     began, examples = time.perf_counter(), 0
-    iterator = ReadAhead(iter(batches), read_ahead) if read_ahead else iter(batches)
-    batch, kept = None, []
+    iterator, reader, batch = iter(batches), None, None
     try:
-        while num_updates is None or len(history) < num_updates:
+        # What a signal handler raised inside a gc callback (which Python drops) is
+        # raised again between updates and in the waits for the stream.
+        with interrupts_relayed():
             try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            new_state, metrics = _update(step, state, batch, retries, kept)
-            metrics = _on_host(metrics)
-            with interrupts_deferred():  # the new state, its history and the batch taken
-                state, batch, kept = new_state, None, []  # done: nothing in flight
-                history.append(metrics)
-                if taken is not None:
-                    taken()
-            update = start + len(history)
-            if after_update is not None:
-                metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
-            if on_update is not None:
-                on_update(update, metrics)
-            examples += int(metrics.get("examples", 0))
-            bar.set_postfix(
-                loss=f"{float(metrics['loss']):.4f}",
-                ex_s=f"{examples / (time.perf_counter() - began):,.0f}",
-                micro=metrics.get("micro_batch_size"),
-                accum=metrics.get("accumulation_steps"),
-            )
-            bar.update()
-    except Exception as exc:
-        if batch is not None and taken is not None:
-            taken()  # the error holds the batch: the stream moves past it
-        good = kept[-1] if kept else state
-        raise FitError(good, history, batch, exc) from exc
+                if read_ahead:
+                    with interrupts_deferred():  # a thread started is a thread closed below
+                        reader = ReadAhead(iterator, read_ahead)
+                while num_updates is None or len(history) < num_updates:
+                    raise_lost()
+                    try:
+                        if reader is None:  # a Rebatcher with ``lend`` keeps it until `taken`
+                            batch = next(iterator)
+                        else:
+                            reader.wait()  # interruptible; what follows does not block
+                            with interrupts_deferred():  # taken from the reader: in flight
+                                batch = next(reader)
+                    except StopIteration:
+                        break
+                    new_state, metrics = _update(step, state, batch, retries, kept)
+                    metrics = _on_host(metrics)
+                    raise_lost()  # before the new state is kept: the batch goes back
+                    with interrupts_deferred():  # the new state, its history and the batch taken
+                        state, batch = new_state, None  # done: nothing in flight
+                        kept.state = state
+                        history.append(metrics)
+                        if taken is not None:
+                            taken()
+                    update = start + len(history)
+                    if after_update is not None:
+                        metrics.update(_on_host(after_update(update, state, dict(metrics)) or {}))
+                    if on_update is not None:
+                        on_update(update, metrics)
+                    examples += int(metrics.get("examples", 0))
+                    bar.set_postfix(
+                        loss=f"{float(metrics['loss']):.4f}",
+                        ex_s=f"{examples / (time.perf_counter() - began):,.0f}",
+                        micro=metrics.get("micro_batch_size"),
+                        accum=metrics.get("accumulation_steps"),
+                    )
+                    bar.update()
+            except Exception as exc:
+                if batch is not None and taken is not None:
+                    taken()  # the error holds the batch: the stream moves past it
+                raise FitError(kept.state, history, batch, exc) from exc
+            finally:
+                bar.close()
+                if reader is not None:  # its thread ends here, what it read is handed on
+                    with interrupts_deferred():
+                        unread(reader.close())  # type: ignore[misc]
     except KeyboardInterrupt as exc:  # stays itself, carrying what was done
-        exc.state, exc.history = (kept[-1] if kept else state), history  # type: ignore[attr-defined]
+        exc.state, exc.history = kept.state, history  # type: ignore[attr-defined]
         exc.add_note(f"fit: {len(history)} updates completed; see .state and .history")
         raise
-    finally:
-        bar.close()
-        if isinstance(iterator, ReadAhead):  # its thread ends here, what it read is handed on
-            unread(iterator.close())  # type: ignore[misc]
-    return state, history
+    return kept.state, history

@@ -60,6 +60,20 @@ def _open(path: Path, flags: int) -> int:
         raise
 
 
+def _sync_directory(path: Path) -> None:
+    """Flushes a directory's entries (a rename in it) to disk, where the system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # a system or file system that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory; the file is whole
+        pass
+    finally:
+        os.close(fd)
+
+
 def plan_key(**parts: Any) -> str:
     """A stable hex digest of the named parts of a plan's key (JSON-serialisable values).
 
@@ -203,8 +217,11 @@ class PlanCache:
                 tmp = name  # ours now: removed if what follows fails
                 with os.fdopen(fd, "w") as f:
                     json.dump(entries, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())  # the contents on disk before the name points at them
                 os.replace(tmp, self.path)
                 tmp = None
+                _sync_directory(self.path.parent)  # and the rename itself
         except _Link as exc:
             self._warn(f"{exc}, so plans are not remembered")
         except OSError as exc:

@@ -162,6 +162,7 @@ class Binding:
         self._streak = 0  # out-of-memory errors since a run last succeeded
         self._real_ooms = 0  # real out-of-memory errors since `start`
         self._ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
+        self._again = False  # a size that ran was given another run since `start`
 
     def guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one, or the learned one if lower."""
@@ -334,6 +335,33 @@ class Binding:
     def start(self) -> None:
         """A new update, call or batch: its first real out-of-memory counts as the first."""
         self._real_ooms = 0
+        self._again = False
+
+    def again(self, exc: BaseException, size: int, reason: str) -> bool:
+        """Whether ``size``, which ran before and now ran out of memory, runs once more.
+
+        The trainer's rule: a size that has run is kept unless it fails again after the
+        recovery steps (what the failed attempt held released; the next run cautious,
+        which the caller sees to). Only for a real out-of-memory, once since `start`:
+        recorded and logged, teaching no capacity. Otherwise False: `shrink` it.
+        """
+        real = not isinstance(exc, SimulatedOutOfMemory | PeerOutOfMemory)
+        if not real or self._again or size not in self._ran:
+            return False
+        self._again = True
+        self.engine.record(
+            size, False, self._ledgers.get(size), 0.0, "run", f"{reason}; ran before"
+        )
+        log.warning(
+            "%s %d ran out of memory (real) after it had run; trying it once more",
+            self.engine.what, size,
+        )  # fmt: skip
+        # A full collection, which also runs JAX's collector callback (buffers whose
+        # release was deferred, jax-ml/jax#14882): with Python's collector off, the last
+        # call's arrays stayed mapped until one ran (measured under RLIMIT_AS: a size that
+        # ran failed at every next call, and shrank, 103 to 47 to 1, without it).
+        gc.collect()
+        return True
 
     def forget_learned(self) -> None:
         """Drops the capacity real runs taught: memory may have come back."""

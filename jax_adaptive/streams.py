@@ -83,8 +83,8 @@ class Feed:
 
     The `Unread` items an earlier reader handed back come first, then the stream's error
     if it raised one while read ahead (raised here once), then the iterator, read ahead
-    in a background thread when ``read_ahead``. `close` stops the thread and hands back
-    what it read and nobody took, into ``left.unread``.
+    in a background thread when ``read_ahead``. `close` stops the thread (a read in progress
+    ends first) and hands back what it read and nobody took, into ``left.unread``.
 
     Args:
         iterator: the stream's iterator (read in the thread only, once read ahead).
@@ -102,15 +102,11 @@ class Feed:
         return self
 
     def wait(self) -> None:
-        """Blocks (a Ctrl-C interrupts it) until `next` can take an item without waiting.
+        """Blocks (an interrupt interrupts it) until `next` can take an item without waiting.
 
-        Waits for a read an earlier reader left in progress; without ``read_ahead`` the
-        read itself happens in `next`.
+        Without ``read_ahead`` the read itself happens in `next`.
         """
-        unread = self._left.unread
-        while not unread.items and unread.error is None and unread.rest is not None:
-            unread = self._left.unread = unread.rest()
-        if not unread and self.read_ahead:
+        if not self._left.unread and self.read_ahead:
             if self._reader is None:  # started once what was handed back is taken
                 with interrupts_deferred():  # a thread started is a reader `close` stops
                     self._reader = ReadAhead(self._iterator, self.read_ahead)
@@ -127,7 +123,7 @@ class Feed:
         return next(self._reader if self.read_ahead else self._iterator)
 
     def close(self) -> None:
-        """Stops reading ahead; hands back what was not taken (a read in progress follows)."""
+        """Stops reading ahead (a read in progress ends first); hands back what was not taken."""
         with interrupts_deferred():  # the reader dropped is the reader closed
             if self._reader is not None:
                 reader, self._reader = self._reader, None

@@ -16,7 +16,7 @@ from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Agreement, Placement, place, process_sum, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
-from jax_adaptive.loop import fit_loop
+from jax_adaptive.loop import Kept, fit_loop
 from jax_adaptive.memory import Ledger
 from jax_adaptive.normalizer import Normalizer, host_count
 from jax_adaptive.plan import Objective, Plan
@@ -421,7 +421,8 @@ class AdaptiveTrainer:
             eval_every: `evaluate` every this many updates and after the last (``eval_*``).
             eval_data: one batch, a list of batches, or a callable giving a fresh one.
             metric_fn: the per-example metrics, as `evaluate` takes them.
-            read_ahead: batches a background thread reads while updates run (0: none).
+            read_ahead: batches a background thread reads while updates run (0: none);
+                the thread ends with ``fit`` (a read in progress is waited for).
 
         Returns:
             The state and one metrics dict (host values) per update.
@@ -429,6 +430,9 @@ class AdaptiveTrainer:
         Raises:
             FitError: any error part-way, as its ``__cause__``, with the last good
                 ``state``, the ``history`` and the ``batch`` in flight.
+            KeyboardInterrupt: from wherever it landed (Ctrl-C, or a handler of any
+                signal), with ``.state`` and ``.history``; the examples not trained on
+                stay with the iterator.
 
         Examples:
             >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
@@ -451,18 +455,18 @@ class AdaptiveTrainer:
             stream.size = self.process_batch_size  # the next update's (a schedule's)
             return state, metrics
 
-        history: list[dict[str, Any]] = []
+        kept = Kept(state)  # what was done, whole, wherever an interrupt lands
         try:
             with stream:  # what was read and not trained on goes back to the stream
-                state, history = fit_loop(
+                fit_loop(
                     step, state, stream if self.placement.processes == 1 else while_all(stream),
                     num_updates, progress=progress, on_update=on_update,
-                    after_update=after, taken=stream.taken,
+                    after_update=after, taken=stream.taken, kept=kept,
                 )  # fmt: skip
         except KeyboardInterrupt as exc:  # wherever it landed, it carries what was done
-            if not hasattr(exc, "state"):
-                exc.state, exc.history = state, history  # type: ignore[attr-defined]
+            exc.state, exc.history = kept.state, kept.history  # type: ignore[attr-defined]
             raise
+        state, history = kept.state, kept.history
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
         return state, history

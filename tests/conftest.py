@@ -1,7 +1,18 @@
-"""Strict JAX for every test: rank promotion raises, warnings are errors (pyproject)."""
+"""Strict JAX for every test: rank promotion raises, warnings are errors (pyproject).
+
+No test writes outside its temporary directories: the plan cache is off for the whole
+session (doctests and the subprocesses tests start inherit it); a test that needs one
+names a file under its ``tmp_path``.
+"""
+
+import os
 
 import jax
 import pytest
+
+# Set at import, before any test is collected or run, so that a default `PlanCache` never
+# reaches the user's ~/.cache/jax_adaptive/plans.json.
+os.environ["JAX_ADAPTIVE_PLAN_CACHE"] = "off"
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -52,7 +52,7 @@ def main(margin_mb: int, updates: int, out: str) -> None:
     import jax_adaptive as ja
 
     params, batches, optimizer = make_problem()
-    trainer = ja.AdaptiveTrainer(loss_fn, optimizer, target_batch_size=T)
+    trainer = ja.AdaptiveTrainer(loss_fn, optimizer, target_batch_size=T, plan_cache=False)
     state = trainer.init(params, batches[0])
     planned = trainer.micro_batch_size  # a CPU gives no capacity: the estimate says T fits
     gc.collect()

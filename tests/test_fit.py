@@ -5,7 +5,9 @@ batches cut by hand from the stream of example ids.
 """
 
 import contextlib
+import gc
 import itertools
+import os
 import random
 import signal
 import threading
@@ -267,6 +269,13 @@ def _interrupt_main_after(seconds):
         thread.join()
 
 
+# Python reports a KeyboardInterrupt a handler raised inside a gc callback (JAX has one)
+# as unraisable, and drops it; fit raises it again (the test of that below). The report is
+# a warning, an error here: it is expected.
+DROPPED = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@DROPPED
 def test_ctrl_c_at_any_moment_of_fit_with_read_ahead_loses_no_example():
     """Issue 32, fault 9: whatever is not trained on goes back to the iterator."""
 
@@ -289,26 +298,154 @@ def test_ctrl_c_at_any_moment_of_fit_with_read_ahead_loses_no_example():
     assert_trees_close(state.params, reference(done + 2), 1e-6)
 
 
-def test_ctrl_c_while_the_loader_blocks_is_prompt_and_keeps_the_read_in_progress():
-    """Issue 32, fault 10: no wait for the loader, the state carried, no reader left over."""
+def _ours():
+    return [th.name for th in threading.enumerate() if th.name.startswith("jax_adaptive")]
+
+
+def test_ctrl_c_while_the_loader_blocks_waits_for_the_read_and_leaves_no_thread():
+    """Issue 37, fault 2: the read in progress ends before fit does; its examples are kept."""
 
     def slow():
         yield from chunks(total=20)
-        time.sleep(3.0)  # a read that blocks (a network filesystem, a stalled worker)
+        time.sleep(1.5)  # a read that blocks (a network filesystem, a stalled worker)
         yield examples(range(20, 25))
         yield from (examples(range(s, s + 5)) for s in range(25, 40, 5))
 
     t, state = trainer()
     it = slow()
     state, _ = t.fit(state, it, num_updates=1, read_ahead=2)  # compiled first (as above)
-    start = time.perf_counter()
-    with _interrupt_main_after(1.0) as info:
+    with _interrupt_main_after(0.5) as info:
         t.fit(state, it, read_ahead=2)
-    waited = time.perf_counter() - start
-    assert waited < 1.8, waited  # the interrupt at 1 s, not the read's end at 3 s
+    assert not _ours(), _ours()  # no reader left inside the stream's __next__
     assert len(info.value.history) == 1 and int(info.value.state.updates) == 2
     state, history = t.fit(info.value.state, it, read_ahead=2)  # the slow read's examples too
     assert len(history) == 3
     assert_trees_close(state.params, reference(5), 1e-6)
-    alive = [th for th in threading.enumerate() if th.name == "jax_adaptive-read-ahead"]
-    assert not alive, alive
+
+
+class _Interrupted(Exception):
+    """Raised by a signal handler of the user's that is not about Ctrl-C at all."""
+
+
+@contextlib.contextmanager
+def _handler_raises(signum, exc_type):
+    """Installs a handler of the user's for ``signum`` that raises ``exc_type``."""
+
+    def handler(signum, frame):
+        raise exc_type(f"signal {signum}")
+
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+@contextlib.contextmanager
+def _alarm(seconds):
+    """SIGALRM from `signal.setitimer` (a job's timeout), once; the block must end by it."""
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            yield info
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@DROPPED
+@pytest.mark.parametrize("source", ["sigint", "sigalrm"])
+def test_an_interrupt_from_a_users_signal_handler_loses_no_example_and_leaves_no_thread(source):
+    """Issue 37, fault 1: 20 seeded runs per source, each ended by a KeyboardInterrupt that
+    a handler of the user's raises at a random moment, each resumed from ``e.state``."""
+
+    def long():  # more than the runs take: a signal lost ends a fit, which fails the test
+        for start in range(0, 8000, 5):
+            time.sleep(0.001)  # a loader with some work to do
+            yield examples(range(start, start + 5))
+
+    signum, interrupt = {"sigint": (signal.SIGINT, _interrupt_main_after),
+                         "sigalrm": (signal.SIGALRM, _alarm)}[source]  # fmt: skip
+    t, state = trainer()
+    it, rng = long(), random.Random(37)
+    state, _ = t.fit(state, it, num_updates=1, read_ahead=2)  # compiled first (as above)
+    with _handler_raises(signum, KeyboardInterrupt):
+        for run in range(20):  # every fit ends by the interrupt
+            with interrupt(rng.uniform(0.001, 0.03)) as info:
+                t.fit(state, it, read_ahead=2)
+            assert not _ours(), (run, _ours())
+            state = info.value.state
+    done = int(state.updates)
+    state, _ = t.fit(state, it, num_updates=2, read_ahead=2)  # and it goes on where it was
+    # Every example trained once, in order: the reference of the first done + 2 batches.
+    assert_trees_close(state.params, reference(done + 2), 1e-6)
+
+
+def test_an_error_a_signal_handler_raises_is_a_fit_error_holding_the_batch_in_flight():
+    """Any exception, not only KeyboardInterrupt: a handler's error during an update is an
+    error of fit (FitError), whose batch is the one in flight; nothing else is lost."""
+    t, state = trainer()
+    state, _ = t.fit(state, chunks(total=8), read_ahead=2)  # compiled first (as above)
+    it = chunks(total=40)
+    slept = []
+
+    def slow_step(state, batch):
+        slept.append(1)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        time.sleep(1.0)  # the alarm lands inside this update (the handler cuts the sleep)
+        return step(state, batch)
+
+    step, t.step = t.step, slow_step
+    try:
+        with _handler_raises(signal.SIGALRM, _Interrupted), pytest.raises(ja.FitError) as info:
+            t.fit(state, it, read_ahead=2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        t.step = step
+    assert isinstance(info.value.__cause__, _Interrupted) and not _ours()
+    assert info.value.batch is not None and len(slept) == 1
+    # The stream goes on after the batch the error holds: examples 8..39 (the first 8 held).
+    np.testing.assert_array_equal(info.value.batch["y"], examples(range(8))["y"])
+    state, history = t.fit(info.value.state, it)
+    assert len(history) == 4
+
+
+@DROPPED
+def test_an_interrupt_python_drops_inside_a_gc_callback_still_ends_fit():
+    """Issue 37, fault 3, the rare hang: a handler's KeyboardInterrupt that lands inside a
+    garbage-collector callback (JAX has one) is printed and dropped by Python; fit raises
+    it again before it keeps the next update, which goes back to the stream."""
+    t, state = trainer()
+    it = chunks(total=400)  # finite: an interrupt dropped for good lets fit end normally
+    state, _ = t.fit(state, it, num_updates=1, read_ahead=2)  # compiled first (as above)
+    step, calls = t.step, []
+
+    def in_gc(phase, info):
+        if phase == "start":
+            gc.callbacks.remove(in_gc)
+            os.kill(os.getpid(), signal.SIGALRM)
+            for _ in range(10_000):  # the handler runs here, inside the callback
+                pass
+
+    def step_then_collect(state, batch):
+        out = step(state, batch)
+        calls.append(1)
+        if len(calls) == 2:  # the second update of this fit, done, then a collection
+            gc.callbacks.append(in_gc)
+            gc.collect()
+        return out
+
+    t.step = step_then_collect
+    try:
+        with (
+            _handler_raises(signal.SIGALRM, KeyboardInterrupt),
+            pytest.raises(KeyboardInterrupt) as info,
+        ):
+            t.fit(state, it, read_ahead=2)
+    finally:
+        t.step = step
+        if in_gc in gc.callbacks:
+            gc.callbacks.remove(in_gc)
+    assert len(calls) == 2 and not _ours()
+    assert int(info.value.state.updates) == 2  # the second update of this fit not kept
+    state, _ = t.fit(info.value.state, it, num_updates=2)
+    assert_trees_close(state.params, reference(4), 1e-6)

@@ -161,19 +161,23 @@ def test_a_trusted_size_that_loses_its_donated_state_says_so(brute_force):
     assert step.host_bytes == copies  # a size that ran is trusted: no copy per call
 
 
-def test_every_call_backup_recovers_a_trusted_size(brute_force):
+@pytest.mark.parametrize("fails", [1, 2])
+def test_every_call_backup_recovers_a_trusted_size_kept_unless_it_fails_twice(brute_force, fails):
     step = ja.AdaptiveStep(
         _build, memory_limit=brute_force[8], host_backup="every_call", plan_cache=False
     )
-    step.fault_hook = fault = _DeletingOOM(executions={2})
+    step.fault_hook = fault = _DeletingOOM(executions=set(range(2, 2 + fails)))
     state, _ = step(_state(), _batch(0))
     size, copies = step.micro_batch_size, step.host_bytes
     state, _ = step(state, _batch(1))
     # the second call's run of the trusted size failed, its donated state deleted, and
-    # the copy made before it put the state back for the retry at a smaller size, which
-    # was copied before it ran too: a copy per run
-    assert fault.fired == [(2, size)] and fault.seen == 3
-    assert step.micro_batch_size < size and step.host_bytes == 3 * copies
+    # the copy made before it put the state back for a second run of the same size (the
+    # trainer's rule); failing again, a retry at a smaller size: a copy before each run
+    assert fault.fired == [(2 + i, size) for i in range(fails)] and fault.seen == 2 + fails
+    assert (step.micro_batch_size == size) == (fails == 1), (step.micro_batch_size, size)
+    assert step.host_bytes == (2 + fails) * copies
+    failed = [(t.size, t.reason) for t in step.search_log if t.decided_by == "run"]
+    assert failed == [(size, "call; ran before"), (size, "call")][:fails]
     _close(state[0], _reference([_batch(0), _batch(1)]))
 
 

@@ -5,6 +5,8 @@ item was read on. Events, not timings, show that an item was read before it was 
 for; the waits on them have generous timeouts that only a broken reader reaches.
 """
 
+import os
+import signal
 import threading
 import time
 
@@ -12,7 +14,8 @@ import numpy as np
 import pytest
 
 import jax_adaptive as ja
-from jax_adaptive.read_ahead import ReadAhead
+from jax_adaptive import read_ahead
+from jax_adaptive.read_ahead import ReadAhead, interrupts_deferred
 
 WAIT = 10.0  # seconds: only a reader that does not read ahead waits this long
 
@@ -99,3 +102,73 @@ def test_a_rebatcher_closed_with_an_error_read_ahead_raises_it_to_the_streams_ne
 def test_a_bad_read_ahead_is_refused_with_its_value(depth):
     with pytest.raises(ValueError, match=f"read_ahead={depth!r}"):
         ja.Rebatcher([np.zeros(2)], 2, read_ahead=depth)
+
+
+def test_close_waits_for_a_read_in_progress_and_keeps_its_item():
+    """Issue 37, fault 2: no thread of ours outlives `close`, and the read it waited for is
+    handed back, not lost inside the thread."""
+    started = threading.Event()
+
+    def slow():
+        yield 0
+        started.set()
+        time.sleep(0.3)  # the read in progress when `close` comes
+        yield 1
+        yield 2
+
+    stream = slow()
+    reader = ReadAhead(stream, depth=1)
+    assert next(reader) == 0
+    assert started.wait(WAIT)
+    unread = reader.close()
+    assert not reader._thread.is_alive()
+    assert unread.items + list(stream) == [1, 2]
+
+
+def test_a_signal_a_handler_of_the_users_raises_on_is_held_then_handled_once():
+    """Issue 37, fault 1: any signal with a Python handler, not only the default Ctrl-C."""
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred() as held:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGALRM)
+                time.sleep(0.01)  # its handler would run here: the block holds it
+            assert calls == [] and held == [signal.SIGALRM] * 2
+        assert calls == [signal.SIGALRM]  # one call, as the system merges a pending signal
+        assert signal.getsignal(signal.SIGALRM) is handler
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_ctrl_c_ends_a_wait_for_a_read_that_blocks_once_past_the_patience(monkeypatch):
+    """A stream that never returns must not make Ctrl-C useless: past CLOSE_PATIENCE (0.2 s
+    here) a Ctrl-C held while `close` waits ends the wait; the thread ends with its read."""
+    monkeypatch.setattr(read_ahead, "CLOSE_PATIENCE", 0.2)
+    reading, release = threading.Event(), threading.Event()
+
+    def blocked():
+        yield 0
+        reading.set()
+        release.wait(WAIT)  # a stalled worker
+        yield 1
+
+    reader = ReadAhead(blocked(), depth=1)
+    assert next(reader) == 0 and reading.wait(WAIT)  # the read that blocks has begun
+    start = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():  # as fit's close is
+            os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, held
+            reader.close()  # waits 0.2 s, then gives up on the read
+        waited = time.perf_counter() - start
+        assert 0.2 <= waited < 0.2 + WAIT / 4, waited
+        assert reader._thread.is_alive()  # still in the stream's __next__
+    finally:
+        release.set()
+        reader._thread.join(WAIT)
+    assert not reader._thread.is_alive()
