@@ -619,13 +619,20 @@ class AdaptiveNnxStep:
             return nnx.state(nodes), out
 
         state, batch, others, records = args
+        shardings = jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, state)
         resident = tree_bytes((state, others))
         inputs = tree_bytes((batch, records))
         capacity = programs.gradient.capacity()
+        ledgers = []
         for donate in (False, True):
-            jitted = jax.jit(update, donate_argnums=(0,) if donate else ())
+            # The new state comes back as the state went in: a sharded model's next call
+            # then runs the same executables (XLA would choose its own output shardings).
+            jitted = jax.jit(
+                update, donate_argnums=(0,) if donate else (), out_shardings=(shardings, None)
+            )
             executable = compile_measured(lambda jitted=jitted: jitted.lower(*args))
             ledger = program_ledger(executable.report, resident=resident, inputs=inputs)
+            ledgers.append(ledger)
             if capacity is None or ledger.total <= capacity:
                 break
         else:

@@ -5,7 +5,11 @@ rate 0; the reference runs Flax's own ``nnx.value_and_grad`` and ``nnx.Optimizer
 batch's groups one after another, and never calls jax_adaptive.
 """
 
+import json
 import logging
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -408,3 +412,18 @@ def test_a_batch_of_another_size_gets_its_own_ghost_batches_and_plan():
     assert step.micro_batch_size % 8 == 0
     step(model, optimizer, batch(64))  # of 32: a plan of its own, multiples of 32
     assert step.micro_batch_size == 32
+
+
+def test_a_model_sharded_as_flax_shards_it_trains_call_after_call(tmp_path):
+    """Its state's shardings come back as they went in (a resharding error on the second
+    call before), and the micro-batched step equals the same step under nnx.jit."""
+    job, out = pathlib.Path(__file__).with_name("sharded_nnx_job.py"), tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, str(job), str(out)],
+        cwd=job.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["micro_batch_size"] < 256 and result["accumulation_steps"] > 1, result
+    assert result["after"] == result["before"] and "data" in result["before"][0], result
+    assert result["max_diff"] < 1e-5, result
