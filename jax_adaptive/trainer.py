@@ -22,6 +22,7 @@ from jax_adaptive.normalizer import Normalizer, host_count
 from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
+from jax_adaptive.read_ahead import interrupts_relayed
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
 from jax_adaptive.sizing import Sizing, forwarded
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
@@ -444,6 +445,22 @@ class AdaptiveTrainer:
             >>> len(history), [h["examples"] for h in history]
             (2, [8, 8])
         """
+        # From the first line: a Ctrl-C Python drops in a gc callback while fit sets up is
+        # kept and raised by fit_loop (a test's interrupt landed there and fit trained on).
+        with interrupts_relayed():
+            return self._fit(
+                state, batches, num_updates, eval_every=eval_every, eval_data=eval_data,
+                metric_fn=metric_fn, progress=progress, on_update=on_update,
+                read_ahead=read_ahead,
+            )  # fmt: skip
+
+    def _fit(
+        self, state: TrainState, batches: Iterable[Batch], num_updates: int | None, *,
+        eval_every: int | None, eval_data: Any, metric_fn: Callable[..., Any] | None,
+        progress: bool, on_update: Callable[[int, dict[str, Any]], None] | None,
+        read_ahead: int,
+    ) -> tuple[TrainState, list[dict[str, Any]]]:  # fmt: skip
+        """`fit`'s body, inside its relay of what signal handlers raise."""
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluations.after_update(eval_every, eval_data, metric_fn, num_updates)
