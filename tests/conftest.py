@@ -5,6 +5,7 @@ session (doctests and the subprocesses tests start inherit it); a test that need
 names a file under its ``tmp_path``.
 """
 
+import logging
 import os
 
 import jax
@@ -21,3 +22,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def _strict_jax():
     with jax.numpy_rank_promotion("raise"):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _library_log_as_found():
+    """The ``jax_adaptive`` logger's level as each test found it: a guide's block silences
+    it (docs/trainer.md), and a test after it on the same worker expects its INFO lines."""
+    log = logging.getLogger("jax_adaptive")
+    level = log.level
+    yield
+    log.setLevel(level)

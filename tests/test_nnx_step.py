@@ -277,11 +277,14 @@ def test_call_time_rngs_give_each_micro_batch_its_own_dropout_keys():
 @pytest.fixture
 def said():
     """The jax_adaptive logger's records while the test runs."""
-    records, handler = [], logging.Handler()
+    records, handler, log = [], logging.Handler(), logging.getLogger("jax_adaptive")
     handler.emit = records.append
-    logging.getLogger("jax_adaptive").addHandler(handler)
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)  # the plan lines, whatever a test before this one set
     yield records
-    logging.getLogger("jax_adaptive").removeHandler(handler)
+    log.setLevel(level)
+    log.removeHandler(handler)
 
 
 class _FailedRun:
