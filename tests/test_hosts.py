@@ -99,6 +99,25 @@ def test_two_processes_read_an_epoch_once_and_resume_after_a_kill(tmp_path):
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
 
 
+def test_the_coordinator_killed_ends_the_other_at_once_with_one_line(tmp_path):
+    # Process 0 (jax.distributed's service) killed after checkpoint 2: without the watched
+    # connections, jaxlib aborts process 1 (status 134 after a C++ "Terminating process"
+    # trace) or its collective fails, whichever comes first. jaxlib may still print its
+    # lines (it sees the service gone as the watch does), but process 1 leaves first.
+    flags = ["--model", "mlp", "--dataset", f"synthetic:{EXAMPLES}", "--target-batch-size", T]
+    flags += ["--epochs", 1, "--data-parallel", "--micro-batch-size", 24, "--no-progress"]
+    flags += ["--checkpoint-every", 2, "--eval-every", 0, "--workdir", tmp_path / "w"]
+    start = time.monotonic()
+    status, _, errs, _ = _two_processes(tmp_path, "coordinator", *flags, kill_at="2@0")
+    assert status == [-9, 2] and time.monotonic() - start < 120, errs
+    said = [line for line in errs[1].splitlines() if line.startswith("error:")]
+    assert said == [
+        "error: a process of the jax.distributed job is gone: process 0 ended before the job "
+        "did (see its own output); this one stops too: resume every process with --resume"
+    ], errs[1]
+    assert errs[1].splitlines()[-1] == said[0], errs[1]  # the last word is ours
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

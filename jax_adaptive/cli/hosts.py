@@ -7,16 +7,114 @@ fails with ``std::bad_cast``). So the processes first meet on the coordinator's 
 plain TCP: process 0 listens, each other process connects and says its ID, and once all
 are there process 0 says go and closes the port for JAX's own service to bind. Any
 failure is a `ValueError` naming the address or the processes missing, within the timeout.
+
+The connections stay open while the job runs (`Peers`): a process that ends without
+saying bye (SIGKILL, a lost machine, an error that made it leave) closes them, and every
+other process then leaves at once with one line (`leave`), before jaxlib notices (it
+aborts a process whose coordinator is gone, with a C++ stack trace) and whether or not
+it waits in a collective (NCCL's wait forever).
 """
 
 from __future__ import annotations
 
+import os
+import selectors
 import socket
+import sys
+import threading
 import time
+from typing import NoReturn
 
-__all__ = ["join"]
+__all__ = ["Peers", "join", "leave"]
 
 _GO = b"go\n"
+_BYE = b"bye\n"
+_LEAVING = threading.Lock()
+
+
+def leave(status: int, line: str | None) -> NoReturn:
+    """Ends this process of the job at once, with ``line`` on stderr: once, whoever calls.
+
+    A process that stops part-way leaves without JAX's exit handler, which would wait at
+    the shutdown barrier for peers that wait for this one. Two callers at once (the
+    main thread's error and `Peers`' thread seeing a peer gone) print one line: the
+    second waits here until the first has ended the process.
+    """
+    _LEAVING.acquire()
+    if line:
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+class Peers:
+    """The open connections of the meeting, watched while the job runs.
+
+    Process 0 holds one to each other process, each other process one to process 0. A
+    connection that closes without ``bye`` means its process ended early: process 0 tells
+    the others which one, and each process leaves (`leave`, status 2) naming it.
+    `close` says bye: this process ends normally.
+    """
+
+    def __init__(self, index: int, connections: dict[int, socket.socket]) -> None:
+        self.index, self._connections = index, connections
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jax_adaptive-peers", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Says bye to every connection and stops watching (this process ends normally)."""
+        self._closing.set()
+        for conn in self._connections.values():
+            try:
+                conn.sendall(_BYE)
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2)  # each other's bye; a slower peer's comes after exit
+        if not self._thread.is_alive():
+            for conn in self._connections.values():
+                conn.close()
+
+    def _watch(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            for index, conn in self._connections.items():
+                conn.settimeout(None)
+                selector.register(conn, selectors.EVENT_READ, index)
+            while selector.get_map():
+                for key, _ in selector.select():
+                    gone = self._heard(key.data, key.fileobj)
+                    if gone is None:
+                        selector.unregister(key.fileobj)
+                    elif gone >= 0 and not self._closing.is_set():
+                        self._lost(gone)
+
+    def _heard(self, index: int, conn: socket.socket) -> int | None:
+        """Reads ``conn``: None once it said bye, the process gone, or -1 (nothing yet)."""
+        try:
+            said = conn.recv(64)
+        except OSError:
+            said = b""
+        if said.startswith(b"lost "):  # from process 0: another process is gone
+            return int(said.split()[1])
+        if _BYE in said or (not said and self._closing.is_set()):
+            return None
+        return index if not said else -1
+
+    def _lost(self, gone: int) -> NoReturn:
+        for index, conn in self._connections.items():
+            if index != gone:  # process 0 tells the others which one
+                try:
+                    conn.sendall(f"lost {gone}\n".encode())
+                except OSError:
+                    pass
+        leave(
+            2,
+            f"error: a process of the jax.distributed job is gone: process {gone} ended "
+            "before the job did (see its own output); this one stops too: resume every "
+            "process with --resume",
+        )
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -35,11 +133,15 @@ def _resolve(address: str) -> list[tuple]:
         ) from None
 
 
-def join(address: str, processes: int, index: int, timeout: float) -> None:
+def join(address: str, processes: int, index: int, timeout: float) -> Peers | None:
     """Returns once all ``processes`` have joined at ``address``; else a one-line `ValueError`.
 
     Process 0 listens on ``address``'s port (every interface, as JAX's service binds
     it); each other process connects to ``address``. Each waits at most ``timeout`` seconds.
+
+    Returns:
+        The `Peers` watched from now on (`Peers.close` at a normal end); None for one
+        process.
 
     Examples:
         >>> join("localhost:1", 1, 0, timeout=1)  # one process: nothing to wait for
@@ -49,16 +151,17 @@ def join(address: str, processes: int, index: int, timeout: float) -> None:
     """
     _resolve(address)
     if processes == 1:
-        return
+        return None
     deadline = time.monotonic() + timeout
     if index == 0:
-        _gather(address, processes, deadline, timeout)
-    else:
-        _reach(address, index, deadline, timeout)
+        return Peers(0, _gather(address, processes, deadline, timeout))
+    return Peers(index, {0: _reach(address, index, deadline, timeout)})
 
 
-def _gather(address: str, processes: int, deadline: float, timeout: float) -> None:
-    """Process 0: accepts every other process's hello, then says go to each."""
+def _gather(
+    address: str, processes: int, deadline: float, timeout: float
+) -> dict[int, socket.socket]:
+    """Process 0: accepts every other process's hello, says go to each: their connections."""
     _, port = _split(address)
     both = socket.has_dualstack_ipv6()  # IPv4 and IPv6, as JAX's service binds [::]:PORT
     family = socket.AF_INET6 if both else socket.AF_INET
@@ -70,6 +173,7 @@ def _gather(address: str, processes: int, deadline: float, timeout: float) -> No
             "choose a free port."
         ) from None
     peers: dict[int, socket.socket] = {}
+    kept = False
     try:
         with listener:
             while len(peers) < processes - 1:
@@ -98,18 +202,15 @@ def _gather(address: str, processes: int, deadline: float, timeout: float) -> No
                 peers[int(said)] = conn
             for conn in peers.values():
                 conn.sendall(_GO)
-            for conn in peers.values():  # each closes first: the port is free at once
-                conn.settimeout(max(deadline - time.monotonic(), 1.0))
-                try:
-                    conn.recv(1)
-                except OSError:
-                    pass
+            kept = True
+            return peers
     finally:
-        for conn in peers.values():
-            conn.close()
+        if not kept:
+            for conn in peers.values():
+                conn.close()
 
 
-def _reach(address: str, index: int, deadline: float, timeout: float) -> None:
+def _reach(address: str, index: int, deadline: float, timeout: float) -> socket.socket:
     """Another process: connects to process 0 (retrying), says its ID, waits for go."""
     host, port = _split(address)
     met = False  # whether process 0 answered: then another process is missing
@@ -128,12 +229,17 @@ def _reach(address: str, index: int, deadline: float, timeout: float) -> None:
                 "--distributed-timeout to wait longer."
             )
         try:
-            with socket.create_connection((host, port), timeout=min(left, 1.0)) as conn:
-                met = True
+            conn = socket.create_connection((host, port), timeout=min(left, 1.0))
+        except OSError:
+            conn = None  # not listening yet: try again
+        if conn is not None:
+            met = True
+            try:
                 conn.sendall(f"{index}\n".encode())
                 conn.settimeout(max(deadline - time.monotonic(), 0.1))
                 if conn.recv(len(_GO)) == _GO:
-                    return
-        except OSError:
-            pass  # not listening yet, or it turned us away: try again
+                    return conn
+            except OSError:
+                pass  # it turned us away: try again
+            conn.close()
         time.sleep(0.2)

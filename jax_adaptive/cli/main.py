@@ -80,8 +80,10 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
 
     With ``distributed``, the processes first meet (`jax_adaptive.cli.hosts.join`), then
     start ``jax.distributed`` with ``distributed_timeout`` as its initialization and
-    heartbeat timeouts; process 0 alone prints (lines, progress bar, the library's log),
-    and what JAX's C++ libraries print on stdout (gloo's ``[Gloo] Rank ...``) goes to stderr.
+    heartbeat timeouts; while they train, a process that ends early ends every other one
+    with one line (`jax_adaptive.cli.hosts.Peers`). Process 0 alone prints (lines,
+    progress bar, the library's log), and what JAX's C++ libraries print on stdout
+    (gloo's ``[Gloo] Rank ...``) goes to stderr.
 
     Returns:
         A summary: the plan, the search cost and the loss of each update.
@@ -97,11 +99,12 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
         (8, 2)
     """
     check_config(config)
+    peers = None
     if (args := config.distributed_args()) and not _distributed_started():
         from jax_adaptive.cli.hosts import join  # before JAX: the timeout is all waiting
 
-        join(args["coordinator_address"], args["num_processes"], args["process_id"],
-             config.distributed_timeout)  # fmt: skip
+        peers = join(args["coordinator_address"], args["num_processes"], args["process_id"],
+                     config.distributed_timeout)  # fmt: skip
     import jax  # here: a bad flag is refused before JAX starts
 
     from jax_adaptive.cli.images import train_images
@@ -119,8 +122,10 @@ def train(config: TrainConfig, *, out: TextIO | None = None) -> dict[str, Any]:
             out, config = io.StringIO(), dataclasses.replace(config, progress=False)
             stack.enter_context(_quiet_log())
         summary = (train_gpt if config.model == "gpt" else train_images)(config, out=out)
-        if started:  # a failed process leaves at once (`main`): its peers' collectives fail
+        if started:  # a failed process leaves at once (`main`): its peers see it gone
             jax.distributed.shutdown()
+        if peers is not None:
+            peers.close()
         return summary
 
 
@@ -315,19 +320,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
-        status = _run(config)
+        status, line = _run(config)
     except BaseException:
         if not _distributed_started():
             raise
         traceback.print_exc()
-        status = 1
+        status, line = 1, None
     if status and _distributed_started():
-        # A process of a jax.distributed job that stops leaves at once: JAX's exit handler
-        # would wait at its shutdown barrier for peers that wait for this one in a
-        # collective. Their collectives then fail, and they stop too (one line each).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        # A process of a jax.distributed job that stops leaves at once (JAX's exit handler
+        # would wait at its shutdown barrier for peers that wait for this one); they see
+        # it gone and leave too, one line each.
+        from jax_adaptive.cli.hosts import leave
+
+        leave(status, line)
+    if line:
+        print(line, file=sys.stderr)
     return status
 
 
@@ -337,18 +344,16 @@ def _distributed_started() -> bool:
     return jax is not None and jax.distributed.is_initialized()
 
 
-def _run(config: TrainConfig) -> int:
-    """`train`, and the exit status and one line of what stopped it."""
+def _run(config: TrainConfig) -> tuple[int, str | None]:
+    """`train`: the exit status and the one line of what stopped it."""
     error: BaseException
     try:
         train(config)
-        return 0
+        return 0, None
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return 130, "interrupted"
     except SystemExit as exc:  # a user's model or loss ended the process: no run
-        print(f"error: the run called sys.exit({exc.code!r}) before it ended", file=sys.stderr)
-        return 2
+        return 2, f"error: the run called sys.exit({exc.code!r}) before it ended"
     except Exception as exc:
         one_line, fit_error = _one_line()
         cause = exc.__cause__ if isinstance(exc, fit_error) else exc
@@ -361,8 +366,7 @@ def _run(config: TrainConfig) -> int:
         else:
             raise  # its traceback, and the cause's
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    print(f"error: {said}{first}", file=sys.stderr)
-    return 2
+    return 2, f"error: {said}{first}"
 
 
 def _peer_lost(exc: BaseException | None) -> bool:
