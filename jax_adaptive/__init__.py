@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers
     from jax_adaptive.ghost import ghost_batches
     from jax_adaptive.memory import Ledger, estimate_peak_bytes
     from jax_adaptive.microbatch import MicroBatchGrad, micro_batch_grad
-    from jax_adaptive.nnx_step import AdaptiveNnxStep, micro_batch_value_and_grad
+    from jax_adaptive.nnx_grad import micro_batch_value_and_grad
+    from jax_adaptive.nnx_step import AdaptiveNnxStep
     from jax_adaptive.nnx_trainer import NnxTrainer
     from jax_adaptive.plan import Plan, SizeTrial
     from jax_adaptive.plan_cache import PlanCache
@@ -112,7 +113,7 @@ _MODULES = {
     "ghost_batches": "ghost",
     "is_oom": "errors",
     "micro_batch_grad": "microbatch",
-    "micro_batch_value_and_grad": "nnx_step",
+    "micro_batch_value_and_grad": "nnx_grad",
     "pow2_buckets": "buckets",
     "search_max_size": "search",
 }
