@@ -7,6 +7,7 @@ every process decide alike (docs/devices.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ __all__ = [
     "LocalShards",
     "Placement",
     "agreed",
+    "collective_counts",
     "data_mesh",
     "first_ready_everywhere",
     "host_copy",
@@ -283,6 +285,28 @@ def agreed(fn: Callable[[], T], size: int) -> T:
     if process_any(error is not None):
         raise error or PeerOutOfMemory(size)
     return out
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+"""The collective ops `collective_counts` counts, as XLA's HLO names them."""
+
+
+def collective_counts(compiled: Any) -> dict[str, int]:
+    """The collective ops in a compiled program's HLO, by kind (`COLLECTIVES`; 0 if none).
+
+    ``compiled`` is a ``jax.stages.Compiled`` or its ``as_text()``. The count is of ops in
+    the program's text: one inside a loop (a scanned model's layers) counts once, however
+    many times the loop runs it; an asynchronous op's ``-start`` counts, its ``-done`` not.
+
+    Examples:
+        >>> collective_counts("%ag = f32[64]{0} all-gather(f32[8]{0} %p), dimensions={0}")
+        {'all-reduce': 0, 'all-gather': 1, 'reduce-scatter': 0, 'collective-permute': 0, \
+'all-to-all': 0}
+        >>> collective_counts(jax.jit(lambda x: x * 2).lower(np.ones(3)).compile())["all-reduce"]
+        0
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    return {op: len(re.findall(rf"= [^\n]*? {op}(?:-start)?\(", text)) for op in COLLECTIVES}
 
 
 class Placement:
