@@ -7,6 +7,7 @@ every process decide alike (docs/devices.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +24,8 @@ __all__ = [
     "LocalShards",
     "Placement",
     "agreed",
+    "checked_spec",
+    "collective_counts",
     "data_mesh",
     "first_ready_everywhere",
     "host_copy",
@@ -285,11 +288,77 @@ def agreed(fn: Callable[[], T], size: int) -> T:
     return out
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+"""The collective ops `collective_counts` counts, as XLA's HLO names them."""
+
+
+def collective_counts(compiled: Any) -> dict[str, int]:
+    """The collective ops in a compiled program's HLO, by kind (`COLLECTIVES`; 0 if none).
+
+    ``compiled`` is a ``jax.stages.Compiled`` or its ``as_text()``. The count is of ops in
+    the program's text: one inside a loop (a scanned model's layers) counts once, however
+    many times the loop runs it; an asynchronous op's ``-start`` counts, its ``-done`` not.
+
+    Examples:
+        >>> collective_counts("%ag = f32[64]{0} all-gather(f32[8]{0} %p), dimensions={0}")
+        {'all-reduce': 0, 'all-gather': 1, 'reduce-scatter': 0, 'collective-permute': 0, \
+'all-to-all': 0}
+        >>> collective_counts(jax.jit(lambda x: x * 2).lower(np.ones(3)).compile())["all-reduce"]
+        0
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    return {op: len(re.findall(rf"= [^\n]*? {op}(?:-start)?\(", text)) for op in COLLECTIVES}
+
+
+def checked_spec(spec: Any, shape: tuple[int, ...], mesh: Mesh, where: str = "spec") -> Any:
+    """``spec`` as a ``PartitionSpec``, if it can split an array of ``shape`` over ``mesh``.
+
+    Raises a one-line ``ValueError`` naming ``where`` when it cannot: a spec longer than the
+    array's rank, an axis not in the mesh or named twice, a dimension that does not divide
+    over its axes' devices.
+
+    Examples:
+        >>> mesh = data_mesh()
+        >>> checked_spec(PartitionSpec(None, "data"), (3, 8 * jax.device_count()), mesh)
+        P(None, 'data')
+        >>> checked_spec(PartitionSpec("model"), (8,), mesh, "w")
+        Traceback (most recent call last):
+        ...
+        ValueError: w: P('model',) names axis 'model', not in the mesh {'data': 1}.
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"{where}: expected a jax.sharding.PartitionSpec, got {spec!r}.")
+    if len(spec) > len(shape):
+        raise ValueError(f"{where}: {spec} has {len(spec)} entries for an array of shape {shape}.")
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"{where}: {spec} names axis {axis!r}, not in the mesh {dict(mesh.shape)}."
+                )
+            if axis in seen:
+                raise ValueError(f"{where}: {spec} names axis {axis!r} twice.")
+            seen.add(axis)
+        devices = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+        if shape[dim] % devices:
+            raise ValueError(
+                f"{where}: {spec} splits dimension {dim} of shape {shape}, of size "
+                f"{shape[dim]}, over {devices} devices ({' x '.join(axes)}): it must divide."
+            )
+    return spec
+
+
 class Placement:
     """Where the train state and the micro-batches live: ``device``, or ``mesh``.
 
     With a mesh, each micro-batch is split over ``data_axis`` and ``param_sharding`` gives
-    ``PartitionSpec`` s for (a prefix of) the parameters. ``device`` becomes this process's
+    ``PartitionSpec`` s for (a prefix of) the parameters, over any mesh axes, the data axis
+    included (FSDP); the optimizer state follows them, or ``opt_state_sharding``'s specs
+    (ZeRO-1: the optimizer state split over the data axis, the parameters replicated).
+    A spec that cannot hold (an axis not in the mesh, a dimension that does not divide)
+    raises a one-line ``ValueError``. ``device`` becomes this process's
     first device, ``shards`` the number of data shards, ``everywhere`` the replicated
     sharding and ``data`` the micro-batch's (None without a mesh). ``processes`` counts
     those among which the data shards are split, each holding a block of them: each
@@ -310,8 +379,10 @@ class Placement:
         data_axis: str = "data",
         param_sharding: Any = None,
         global_batches: bool = False,
+        opt_state_sharding: Any = None,
     ):
         self.mesh, self.data_axis, self.param_sharding = mesh, data_axis, param_sharding
+        self.opt_state_sharding = opt_state_sharding
         self.shards = self._check(device)
         self.processes = 1
         if mesh is not None and not global_batches:  # the blocks of rows the processes hold
@@ -335,8 +406,9 @@ class Placement:
 
     def _check(self, device: jax.Device | None) -> int:
         if self.mesh is None:
-            if self.param_sharding is not None:
-                raise ValueError("param_sharding needs a mesh (mesh=ja.data_mesh(), ...).")
+            for name in ("param_sharding", "opt_state_sharding"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs a mesh (mesh=ja.data_mesh(), ...).")
             return 1
         if not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
@@ -349,24 +421,47 @@ class Placement:
         return int(self.mesh.shape[self.data_axis])
 
     def state(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
-        """A train state's shardings; ``optimizer``'s state follows its parameters."""
+        """A train state's shardings; ``optimizer``'s state follows its parameters.
+
+        With ``opt_state_sharding``, the optimizer state's parameter-shaped leaves take
+        those specs instead, all but the gradient accumulator (``acc_grads``, which
+        stays with the parameters: each device accumulates what its micro-steps compute).
+        """
         full = self.everywhere
         if self.mesh is None:
             return full
-        if self.param_sharding is None:
-            params = jax.tree.map(lambda _: full, state.params)
-        else:
-            params = jax.tree.map(
-                lambda spec, p: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), p),
-                self.param_sharding,
-                state.params,
-                is_leaf=lambda x: isinstance(x, PartitionSpec),
-            )
+        params = self._named("param_sharding", state.params)
         opt = optax.tree_map_params(
             optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: full
         )
+        if self.opt_state_sharding is not None:
+            moments = self._named("opt_state_sharding", state.params)
+            inner = optax.tree_map_params(
+                optimizer, lambda _, s: s, state.opt_state, moments,
+                transform_non_params=lambda _: full,
+            )  # fmt: skip
+            opt = inner._replace(acc_grads=opt.acc_grads)
         model_state = jax.tree.map(lambda _: full, state.model_state)
         return type(state)(params, opt, model_state, full)
+
+    def _named(self, name: str, params: Any) -> Any:
+        """The parameters' shardings from the specs ``name`` holds (None: replicated)."""
+        specs = getattr(self, name)
+        if specs is None:
+            return jax.tree.map(lambda _: self.everywhere, params)
+
+        def one(path: Any, spec: Any, leaf: Any) -> NamedSharding:
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            return NamedSharding(self.mesh, checked_spec(spec, np.shape(leaf), self.mesh, where))
+
+        return jax.tree_util.tree_map_with_path(
+            lambda prefix, spec, subtree: jax.tree_util.tree_map_with_path(
+                lambda path, leaf: one((*prefix, *path), spec, leaf), subtree
+            ),
+            specs,
+            params,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
 
     def share(self, T: int) -> int:
         """The rows of a batch of ``T`` this process passes: ``T / processes``."""

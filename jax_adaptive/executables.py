@@ -21,7 +21,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_adaptive.data import example_structs
+from jax_adaptive.distributed import collective_counts
 from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
+from jax_adaptive.plan import Collectives
 from jax_adaptive.sizing import Executable, Sized, Sizing, compile_measured
 from jax_adaptive.step import (
     DONATED,
@@ -153,6 +155,7 @@ class Executables:
         self._finals: dict[tuple[int, int, bool], Executable] = {}
         # per (size, chunk, with the optimizer step, whole): kept when programs go
         self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
+        self._collectives: dict[int, Collectives] = {}
         self.zero_totals = zeros(self.totals_struct)  # never donated: every update starts here
         signature = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
         self.program = self.sizing.bind(signature, self._sized)
@@ -335,6 +338,24 @@ class Executables:
                 lambda: jitted.lower(s.params, opt_state, self.totals_struct, k, k)
             )
         return self._optimizer[donate]
+
+    def collectives(self, size: int) -> Collectives | None:
+        """The collectives of a micro-step of ``size`` and of the optimizer step (None: one device).
+
+        Counted once per size in the compiled programs; one not compiled yet (a size run
+        in chunks, the optimizer step run inside the last program) is compiled for it.
+        """
+        if self.data is None:
+            return None
+        if size not in self._collectives:
+            if size in self.program.compiled_sizes():
+                micro = self.micro(size).compiled
+            else:  # compiled apart: the engine measures only the sizes it decides on
+                micro = self.lower(size).compile()
+            self._collectives[size] = Collectives(
+                collective_counts(micro), collective_counts(self.optimizer_step(False).compiled)
+            )
+        return self._collectives[size]
 
     def final(self, size: int, chunk: int, T: int) -> Executable:
         """An update's last ``chunk`` micro-steps of ``size``, then the optimizer step.

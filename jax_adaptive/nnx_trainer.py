@@ -30,7 +30,9 @@ class NnxTrainer:
         rng: the trainer's base key; ``key(0)`` if None.
         **trainer_kwargs: `AdaptiveTrainer`'s other options; ``normalizer=fn`` for a loss
             divided by a count the data decides (``loss_fn`` then gives each example's
-            sum, e.g. its tokens' losses: docs/flax.md).
+            sum, e.g. its tokens' losses: docs/flax.md). With a ``mesh`` and no
+            ``param_sharding``, the parameters are sharded as the model's annotations say
+            (``nnx.with_partitioning``, read by ``nnx.get_partition_spec``: docs/devices.md).
 
     Attributes:
         trainer: the `AdaptiveTrainer` (its plan, ``search_log``, ``set_memory_limit``).
@@ -73,6 +75,9 @@ class NnxTrainer:
                     "no nnx.BatchStat variables."
                 )
             loss_fn = ghost_batches(loss_fn, ghost_batch_size)
+        if trainer_kwargs.get("mesh") is not None and trainer_kwargs.get("param_sharding") is None:
+            # As the model's author shards it (Flax's sharding guide): its annotations.
+            trainer_kwargs["param_sharding"] = nnx.get_partition_spec(nnx.state(model, nnx.Param))
         self.trainer = AdaptiveTrainer(
             loss_fn, optimizer, target_batch_size=target_batch_size, has_state=self.has_state,
             **trainer_kwargs,

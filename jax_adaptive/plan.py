@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 from jax_adaptive.memory import Ledger
 
-__all__ = ["Objective", "Plan", "SizeTrial", "chunk_length", "least_padding_size"]
+__all__ = [
+    "Collectives",
+    "Objective",
+    "Plan",
+    "SizeTrial",
+    "chunk_length",
+    "least_padding_size",
+]
 
 DecidedBy = Literal["estimate", "cache", "compile", "run", "learned", "plan cache"]
 _DECIDED = {  # how each way of deciding reads in a trial's line
@@ -63,6 +71,48 @@ class SizeTrial(NamedTuple):
         return f"{what} {self.size} {verdict}: {need} ({how}; {self.reason})"
 
 
+class Collectives(NamedTuple):
+    """The collective ops of an update's compiled programs, by kind (``{"all-gather": 8}``).
+
+    Counted in the programs' text (`jax_adaptive.distributed.collective_counts`): what
+    sharded state costs in communication. A micro-step's run once per micro-step, the
+    optimizer step's once per update.
+
+    Attributes:
+        micro_step: in one micro-step's program.
+        optimizer_step: in the optimizer step's program.
+
+    Examples:
+        >>> c = Collectives({"all-gather": 4, "all-reduce": 0}, {"all-reduce": 1})
+        >>> c.per_update(3)
+        {'all-gather': 12, 'all-reduce': 1}
+        >>> c.describe(3)
+        'collectives 4 all-gather per micro-step, 12 all-gather + 1 all-reduce per update'
+    """
+
+    micro_step: Mapping[str, int]
+    optimizer_step: Mapping[str, int]
+
+    def per_update(self, steps: int) -> dict[str, int]:
+        """Ops run per update of ``steps`` micro-steps (kinds with none left out)."""
+        ops = dict.fromkeys([*self.micro_step, *self.optimizer_step], 0)
+        for op in ops:
+            ops[op] = steps * self.micro_step.get(op, 0) + self.optimizer_step.get(op, 0)
+        return {op: n for op, n in ops.items() if n}
+
+    def describe(self, steps: int) -> str | None:
+        """Per micro-step and per update in words, each only when nonzero; None if none."""
+        micro = {op: n for op, n in self.micro_step.items() if n}
+        update = self.per_update(steps)
+        pairs = ((micro, "micro-step"), (update, "update"))
+        words = [_ops(ops, when) for ops, when in pairs if ops]
+        return f"collectives {', '.join(words)}" if words else None
+
+
+def _ops(ops: Mapping[str, int], when: str) -> str:
+    return " + ".join(f"{n} {op}" for op, n in ops.items() if n) + f" per {when}"
+
+
 class Plan(NamedTuple):
     """The size in use and what it costs; ``str(plan)`` says it in words.
 
@@ -81,6 +131,8 @@ class Plan(NamedTuple):
             out-of-memory); None when unknown.
         found: under ``jax.distributed``, the largest size each process found, in
             process order, when they differ (all plan from the smallest); else None.
+        collectives: the `Collectives` of the update's programs under a mesh (None: one
+            device, or not measured yet); the words say them when there are any.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -99,6 +151,7 @@ the optimizer step in the last program
     fused: bool | None = None
     source: str | None = None
     found: tuple[int, ...] | None = None
+    collectives: Collectives | None = None
 
     def bound(self) -> str | None:
         """Which process bound the plan and how much further the others could have gone.
@@ -141,6 +194,8 @@ the optimizer step in the last program
         if self.fused is not None:
             where = "in the last program" if self.fused else "apart"
             words.append(f"the optimizer step {where}")
+        if self.collectives is not None and (said := self.collectives.describe(k)):
+            words.append(said)
         return ", ".join(words)
 
 

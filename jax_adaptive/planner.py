@@ -159,6 +159,7 @@ class Planner:
             self.chunking.fused,
             self.source,
             getattr(self.sizing.agree, "found", None),  # an `Agreement`'s, several processes
+            self.executables.collectives(self.size),
         )
 
     def _peak(self) -> Ledger:

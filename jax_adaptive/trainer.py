@@ -55,7 +55,13 @@ class AdaptiveTrainer:
         chunk: ``"auto"`` or the most micro-steps per dispatch.
         device: the device to train on without a mesh (the first local one by default).
         mesh: a ``jax.sharding.Mesh`` to train data parallel over, split along
-            ``data_axis``; ``param_sharding``: specs for the parameters (docs/devices.md).
+            ``data_axis``; ``param_sharding``: ``PartitionSpec`` s for the parameters over
+            any mesh axes, the data axis included (FSDP); the optimizer state follows them
+            (docs/devices.md).
+        opt_state_sharding: specs for the optimizer state (its parameter-shaped leaves,
+            a prefix of the parameters as ``param_sharding``) instead of following the
+            parameters: ZeRO-1 splits it over ``data_axis`` and keeps the parameters
+            replicated. A spec that cannot hold raises a one-line ValueError at `init`.
         in_flight: programs dispatched and not finished at once.
         memory_prior: a predicted ``(intercept, slope)`` of the peak bytes against the size.
         sizing: a `jax_adaptive.sizing.Sizing` shared with other trainers (its limit,
@@ -108,6 +114,7 @@ class AdaptiveTrainer:
         sizing: Sizing | None = None,
         global_batches: bool = False,
         normalizer: Normalizer | None = None,
+        opt_state_sharding: Any = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -122,8 +129,9 @@ class AdaptiveTrainer:
         self.schedule = BatchSchedule(target_batch_size)
         self.optimizer = optimizer
         self.placement = Placement(
-            checks.check_device(device), mesh, data_axis, param_sharding, global_batches
-        )
+            checks.check_device(device), mesh, data_axis, param_sharding, global_batches,
+            opt_state_sharding,
+        )  # fmt: skip
         self._cursor = ScheduleCursor(self.schedule, self.shards)
         T = self._cursor.size_at(0)
         constant = self.schedule.constant is not None

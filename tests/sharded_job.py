@@ -1,0 +1,194 @@
+"""Sharded train state on 8 CPU devices: FSDP, ZeRO-1 and an NNX model, against one device.
+
+``python sharded_job.py OUT.json`` runs on 8 CPU devices (set before JAX starts, which is
+why this is a script). It trains the same MLP with Adam, 3 updates of T = 100 at 5
+micro-batches of 24 (which do not divide it), with its parameters replicated, sharded
+over the data axis (FSDP) and replicated beside an optimizer state sharded over it
+(ZeRO-1), and an NNX classifier whose kernels carry ``nnx.with_partitioning`` through
+`NnxTrainer`. It writes each one's largest difference from plain optax on one device
+(one full-batch step per update), the shardings, each plan's collectives, the ledger's
+per-device state next to the bytes of the live arrays' shards on device 0, the searched
+sizes under one memory limit, and the errors of specs that cannot hold.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from helpers import full_batch_reference, mlp_loss, mlp_params, regression_batches
+from jax.sharding import PartitionSpec as P
+
+import jax_adaptive as ja
+
+T, MICRO, UPDATES, D_IN, WIDTH, LENGTH = 100, 24, 3, 64, 512, 32
+OPTIMIZER = optax.adam(1e-2)
+FSDP = {"w1": P(None, "data"), "b1": P("data"), "w2": P("data")}
+ZERO1 = {"w1": P("data", None), "b1": P("data"), "w2": P("data")}
+MODES = {
+    "replicated": {},
+    "fsdp": {"param_sharding": FSDP},
+    "zero1": {"opt_state_sharding": ZERO1},
+}
+
+
+def spec(x):
+    return str(x.sharding.spec)
+
+
+def shard_bytes(tree, device):
+    """The bytes of ``tree``'s arrays' shards on ``device`` (what it holds of them)."""
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
+
+
+def largest_difference(params, reference):
+    return max(float(np.max(np.abs(np.asarray(params[k]) - reference[k]))) for k in reference)
+
+
+def train(params, batches, **kwargs):
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZER, target_batch_size=T, micro_batch_size=MICRO,
+        mesh=ja.data_mesh(), plan_cache=False, **kwargs,
+    )  # fmt: skip
+    state = trainer.init(params, batches[0])
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    plan = trainer.plan_info
+    mu = state.opt_state.inner_opt_state[0].mu
+    return {
+        "params": {k: np.asarray(v).tolist() for k, v in state.params.items()},
+        "param_specs": {k: spec(v) for k, v in state.params.items()},
+        "mu_specs": {k: spec(v) for k, v in mu.items()},
+        "steps": plan.accumulation_steps,
+        "plan": str(plan),
+        "micro_step": dict(plan.collectives.micro_step),
+        "per_update": plan.collectives.per_update(plan.accumulation_steps),
+        "ledger_state": trainer.ledger(MICRO).state,
+        # The live train state's shards on one device, and the loss total (a float32
+        # scalar on each device) the micro-steps carry beside it.
+        "live_state": shard_bytes(state, jax.devices()[0]) + 4,
+    }
+
+
+def searched(params, batches, limit, **kwargs):
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZER, target_batch_size=T, memory_limit=limit, objective="max",
+        mesh=ja.data_mesh(), plan_cache=False, **kwargs,
+    )  # fmt: skip
+    trainer.init(params, batches[0])
+    return trainer.micro_batch_size
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.l1 = nnx.Linear(
+            16, 64, kernel_init=nnx.with_partitioning(init, (None, "data")), rngs=rngs
+        )
+        self.l2 = nnx.Linear(
+            64, 5, kernel_init=nnx.with_partitioning(init, ("data", None)), rngs=rngs
+        )
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def nnx_trainer():
+    """`NnxTrainer` on a model sharded as Flax's guide shards one, against plain optax."""
+    rng = np.random.default_rng(1)
+    batches = [
+        {
+            "image": rng.normal(size=(T, 16)).astype(np.float32),
+            "label": rng.integers(0, 5, size=T).astype(np.int32),
+        }
+        for _ in range(UPDATES)
+    ]
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        model = MLP(nnx.Rngs(0))
+    host = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    def reference_loss(p, batch):
+        hidden = jax.nn.relu(batch["image"] @ p["l1"]["kernel"] + p["l1"]["bias"])
+        logits = hidden @ p["l2"]["kernel"] + p["l2"]["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    with jax.default_device(jax.devices()[0]):
+        params, opt_state = host, OPTIMIZER.init(host)
+        for batch in batches:
+            grads = jax.jit(jax.grad(reference_loss))(params, batch)
+            updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+    trainer = ja.NnxTrainer(
+        model, OPTIMIZER, target_batch_size=T, micro_batch_size=MICRO, mesh=mesh,
+        plan_cache=False,
+    )  # fmt: skip
+    for batch in batches:
+        trainer.step(batch)
+    trained = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    plan = trainer.trainer.plan_info
+    return {
+        "difference": max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True)
+        ),
+        "kernel_specs": [spec(model.l1.kernel[...]), spec(model.l2.kernel[...])],
+        "steps": plan.accumulation_steps,
+        "micro_step": dict(plan.collectives.micro_step),
+    }
+
+
+def error_of(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def main(out):
+    params = mlp_params(0, D_IN, WIDTH)
+    batches = regression_batches(UPDATES, T, 1, D_IN, LENGTH)
+    with jax.default_device(jax.devices()[0]):
+        reference = jax.device_get(full_batch_reference(mlp_loss, OPTIMIZER, params, batches))
+    result = {}
+    for mode, kwargs in MODES.items():
+        run = train(params, batches, **kwargs)
+        run["difference"] = largest_difference(run.pop("params"), reference)
+        result[mode] = run
+    # One limit: what the replicated state's micro-step of 40 needs.
+    probe = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZER, target_batch_size=T, micro_batch_size=40, mesh=ja.data_mesh(),
+        plan_cache=False,
+    )  # fmt: skip
+    probe.init(params, batches[0])
+    limit = probe.ledger(40).total
+    result["limit"] = limit
+    result["searched"] = {m: searched(params, batches, limit, **kw) for m, kw in MODES.items()}
+    result["nnx"] = nnx_trainer()
+    narrow = mlp_params(0, D_IN, 12)  # a hidden width of 12 does not split over 8 devices
+    result["errors"] = {
+        "divide": error_of(lambda: train(narrow, batches, param_sharding=FSDP)),
+        "axis": error_of(
+            lambda: train(params, batches, opt_state_sharding={**ZERO1, "w2": P("model")})
+        ),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
