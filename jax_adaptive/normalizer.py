@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_adaptive.data import leading_size
+
 __all__ = [
     "Normalizer",
     "denominator",
+    "example_weights",
     "host_count",
-    "host_denominator",
     "normalizer_problem",
 ]
 
@@ -87,21 +89,45 @@ def host_count(normalizer: Normalizer, batch: Any) -> float:
     return count
 
 
-def host_denominator(normalizer: Normalizer, batch: Any) -> float:
-    """``normalizer(batch)`` on the host, checked: a positive finite number, or one line.
+def example_weights(
+    normalizer: Normalizer,
+    batch: Any,
+    weights: Any,
+    T: int,
+    add_up: Callable[[int], Any] | None = None,
+) -> np.ndarray:
+    """Each example's weight in an update that divides its summed losses by ``T``.
+
+    ``weights`` (1 each if None) times ``T / count``: the update then divides by the
+    batch's count, ``normalizer(batch)`` checked (`host_count`). With ``add_up`` (several
+    processes: ``jax_adaptive.distributed.process_sum``) the count is every process's,
+    added up, so that a token weighs the same on each; it must then be an integer.
+
+    Raises:
+        ValueError: a count that is not a finite number at least 0, one that is not an
+            integer under ``add_up``, or a batch whose count is 0 (nothing in it counts).
 
     Examples:
         >>> import numpy as np
-        >>> host_denominator(lambda b: b["w"].sum(), {"w": np.array([1.0, 3.0])})
-        4.0
-        >>> host_denominator(lambda b: b["w"].sum(), {"w": np.zeros(2)})
+        >>> batch = {"w": np.array([2.0, 0.0, 2.0, 4.0])}
+        >>> example_weights(lambda b: b["w"].sum(), batch, None, T=4)
+        array([0.5, 0.5, 0.5, 0.5], dtype=float32)
+        >>> example_weights(lambda b: b["w"].sum(), {"w": np.zeros(2)}, None, T=2)
         Traceback (most recent call last):
         ...
-        ValueError: normalizer returned 0.0 for the whole batch: nothing in it counts ...
+        ValueError: normalizer returned 0 for the whole batch: nothing in it counts (all padding?).
     """
-    total = host_count(normalizer, batch)
-    if total == 0:
+    count = host_count(normalizer, batch)
+    if add_up is not None:
+        if count != int(count):
+            raise ValueError(
+                f"normalizer returned {count}: under several processes it must count "
+                "(an integer), so that the processes can add their counts up."
+            )
+        count = float(add_up(int(count)))
+    if count == 0:
         raise ValueError(
-            "normalizer returned 0.0 for the whole batch: nothing in it counts (all padding?)."
+            "normalizer returned 0 for the whole batch: nothing in it counts (all padding?)."
         )
-    return total
+    ones = np.ones(leading_size(batch), np.float32) if weights is None else weights
+    return np.asarray(ones, np.float32) * np.float32(T / count)

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
-import numpy as np
 import optax
 
 from jax_adaptive import checks
@@ -18,7 +17,7 @@ from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.loop import Kept, fit_loop
 from jax_adaptive.memory import Ledger
-from jax_adaptive.normalizer import Normalizer, host_count
+from jax_adaptive.normalizer import Normalizer, example_weights
 from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
@@ -341,7 +340,8 @@ class AdaptiveTrainer:
         updates = self._cursor.updates_of(state.updates)
         T = self._cursor.size_at(updates)
         if self.normalizer is not None:
-            weights = self._normalized(batch, weights, T)
+            add_up = process_sum if self.placement.processes > 1 else None
+            weights = example_weights(self.normalizer, batch, weights, T, add_up)
         batch = checks.on_device(batch, self.device if self.mesh is None else None)
         scheduled = None if self.schedule.constant is not None else updates
         share = self.placement.check_share(leading_size(batch), T)
@@ -350,23 +350,6 @@ class AdaptiveTrainer:
         out = self._updater.run(state, batch, weights)
         self._cursor.stepped(out[0].updates, updates + 1)
         return out
-
-    def _normalized(self, batch: Batch, weights: Any, T: int) -> np.ndarray:
-        """``weights`` (1 by default) times ``T / count``: the update divides by the count."""
-        count = host_count(self.normalizer, batch)
-        if self.placement.processes > 1:  # a token weighs the same on every process
-            if count != int(count):
-                raise ValueError(
-                    f"normalizer returned {count}: under several processes it must count "
-                    "(an integer), so that the processes can add their counts up."
-                )
-            count = float(process_sum(int(count)))
-        if count == 0:
-            raise ValueError(
-                "normalizer returned 0 for the whole batch: nothing in it counts (all padding?)."
-            )
-        ones = np.ones(leading_size(batch), np.float32) if weights is None else weights
-        return np.asarray(ones, np.float32) * np.float32(T / count)
 
     def evaluator(self, metric_fn: Callable[..., Any]) -> Evaluator:
         """The `Evaluator` kept for ``metric_fn``, sharing the trainer's device, limit and cache."""
