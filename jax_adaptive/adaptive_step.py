@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jax_adaptive import checks
+from jax_adaptive.backup import Backup, backup, backup_bytes, deleted_leaves, put_back
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
@@ -301,7 +302,7 @@ class AdaptiveStep:
         while True:
             size = self.micro_batch_size
             cautious = again or not self._program.has_run(size) or self.host_backup == "every_call"
-            saved: dict[int, tuple[np.ndarray, Any]] | None = {} if cautious else None
+            saved: Backup | None = {} if cautious else None
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
                 self._program.ran(size)
@@ -333,27 +334,16 @@ class AdaptiveStep:
         # only when the result is read.
         return jax.block_until_ready(compiled(*args))
 
-    def _backup(self, args: tuple[Any, ...], compiled: Any) -> dict[int, tuple[np.ndarray, Any]]:
+    def _backup(self, args: tuple[Any, ...], compiled: Any) -> Backup:
         """Host copies of the device arrays the compiled step donates, by leaf index."""
         donated = [info.donated for info in jax.tree.leaves(compiled.args_info[0])]
-        leaves = jax.tree.leaves(args)
-        saved = {
-            i: (jax.device_get(leaf), leaf.sharding)
-            for i, (leaf, d) in enumerate(zip(leaves, donated, strict=True))
-            if d and isinstance(leaf, jax.Array)
-        }
-        self.host_bytes += sum(host.nbytes for host, _ in saved.values())
+        saved = backup(args, donated)
+        self.host_bytes += backup_bytes(saved)
         return saved
 
-    def _restore(self, args: tuple[Any, ...], backup: dict | None) -> tuple[Any, ...]:
+    def _restore(self, args: tuple[Any, ...], saved: Backup | None) -> tuple[Any, ...]:
         """``args`` with every array a failed run deleted put back from its host copy."""
-        leaves, treedef = jax.tree.flatten(args)
-        deleted = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_deleted()]
-        if not deleted:
-            return args
-        if backup is None or any(i not in backup for i in deleted):
+        deleted = deleted_leaves(args)
+        if deleted and (saved is None or any(i not in saved for i in deleted)):
             raise StateLostError(_STATE_LOST)
-        for i in deleted:
-            host, sharding = backup[i]
-            leaves[i] = jax.device_put(host, sharding)
-        return jax.tree.unflatten(treedef, leaves)
+        return put_back(args, saved or {})

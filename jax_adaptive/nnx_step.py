@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.graph import is_graph_node
 
 from jax_adaptive.adaptive_step import AdaptiveStep, signature_of
+from jax_adaptive.backup import backup, backup_bytes, put_back
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import OptimizerStepOutOfMemory, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
@@ -251,8 +252,8 @@ class AdaptiveNnxStep:
         update = programs.updates[key]
         saved = None
         if update.donate:  # the state twice does not fit: a host copy keeps it safe
-            saved = [(jax.device_get(x), x.sharding) for x in jax.tree.leaves(state)]
-            self.host_bytes += sum(host.nbytes for host, _ in saved)
+            saved = backup(state)
+            self.host_bytes += backup_bytes(saved)
 
         def run() -> Any:
             if self._fault_hook is not None:
@@ -264,8 +265,7 @@ class AdaptiveNnxStep:
         if error is None:
             return out
         if saved is not None:
-            leaves = [jax.device_put(host, sharding) for host, sharding in saved]
-            state = jax.tree.unflatten(jax.tree.structure(state), leaves)
+            state = put_back(state, saved)
             nnx.update(nodes, state)
         raise OptimizerStepOutOfMemory(state) from error
 
