@@ -1,3 +1,4 @@
+import collections
 import dataclasses
 import io
 import itertools
@@ -157,6 +158,53 @@ def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
     assert plans[1].startswith(plans[0].split(";")[0])  # the same micro-batch and steps
     assert "; 0 sizes compiled" in plans[1]
     assert f"(from the plan cache {tmp_path / 'plans.json'}; " in plans[1]  # where it came from
+
+
+def _compiled_programs(run):
+    """``run()``'s result and the programs XLA compiled meanwhile, by name, as JAX reports
+    each compile (its ``backend_compile_duration`` event: one per program compiled, a hit of
+    the session's persistent compilation cache included)."""
+    names = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        return run(), collections.Counter(names)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_resume_or_a_second_run_compiles_only_the_programs_its_update_runs(tmp_path, capsys):
+    flags = ["--model", "mlp", "--target-batch-size", "64", "--eval-every", "0", "--no-progress",
+             "--checkpoint-every", "1", "--plan-cache", str(tmp_path / "plans.json")]  # fmt: skip
+    first, compiled = _compiled_programs(
+        lambda: main([*flags, "--updates", "2", "--workdir", str(tmp_path / "run")])
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert first == 0 and "measured in 2 compiles" in out[0], out[0]  # the simulated device
+    searched = _compiles(out[1], " size")
+    assert compiled["jit(program)"] == 2 + searched, compiled  # the probe's two, the search's
+    runs = {
+        "resume": [*flags, "--updates", "3", "--workdir", str(tmp_path / "run"), "--resume"],
+        "second run": [*flags, "--updates", "1", "--workdir", str(tmp_path / "again")],
+    }
+    for name, argv in runs.items():
+        status, compiled = _compiled_programs(lambda argv=argv: main(argv))
+        out = capsys.readouterr().out.splitlines()
+        assert status == 0, name
+        # The update's own programs, once each: a micro-step and the optimizer step. The
+        # simulated device's two compiles and the search's are not made again.
+        assert compiled["jit(program)"] <= 1 and compiled.total() <= 2, (name, compiled)
+        assert set(compiled) <= {"jit(program)", "jit(optimizer_step)"}, (name, compiled)
+        assert "measured by an earlier run of this job, from the plan cache" in out[0], out[0]
+        assert "; 0 sizes compiled in " in out[1], out[1]
+        # The summary counts what happened: the plan cache's plan, no search.
+        assert re.search(r", 1 compile \(the plan from the plan cache\), [0-9.]+s planning "
+                         r"\([0-9.]+s the plan from the plan cache, no search; [0-9.]+s in 1 "
+                         r"update that compiled\), ", out[-1]), out[-1]  # fmt: skip
 
 
 def _cli(*flags):
