@@ -23,7 +23,7 @@ from jax_adaptive.cli.config import check_config
 from jax_adaptive.cli.language_model import _stream
 from jax_adaptive.cli.main import TrainConfig, main, parse_bytes, train
 from jax_adaptive.cli.report import main as report_main
-from jax_adaptive.cli.report import write_report
+from jax_adaptive.cli.report import search_figure, write_report
 from jax_adaptive.cli.run import plan_note
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.errors import OptimizerStepOutOfMemory
@@ -205,6 +205,91 @@ def test_a_resume_or_a_second_run_compiles_only_the_programs_its_update_runs(tmp
         assert re.search(r", 1 compile \(the plan from the plan cache\), [0-9.]+s planning "
                          r"\([0-9.]+s the plan from the plan cache, no search; [0-9.]+s in 1 "
                          r"update that compiled\), ", out[-1]), out[-1]  # fmt: skip
+
+
+def test_the_report_after_a_resume_shows_the_first_runs_search_readably(tmp_path):
+    import matplotlib.pyplot as plt
+
+    flags = ["--model", "mlp", "--target-batch-size", "512", "--memory-limit", "3.5MB",
+             "--multiple-of", "32", "--eval-every", "0", "--no-progress", "--workdir",
+             str(tmp_path)]  # fmt: skip
+    assert main([*flags, "--updates", "1"]) == 0
+    first = json.loads((tmp_path / "plan.json").read_text())["plans"][0]
+    tried = {(t["size"], t["estimated_bytes"]) for t in first["search_log"]}
+    assert len(tried) >= 3 and any(not t["fits"] for t in first["search_log"]), first
+    assert main([*flags, "--updates", "2", "--resume"]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # The resume searched nothing (the workdir's plan cache): its log is one cached trial.
+    resumed = plan["plans"][0]["search_log"]
+    assert [t["decided_by"] for t in resumed] == ["plan cache"], resumed
+    assert [p["search_log"] for r in plan["earlier_runs"] for p in r["plans"]] == [
+        first["search_log"]
+    ]
+    assert [p.name for p in write_report(tmp_path)] == ["search_trace.png", "loss.png"]
+    figure = search_figure(tmp_path)
+    try:
+        (panel,), zoom = figure.axes, figure.axes[0].child_axes
+        assert panel.get_xscale() == "log"
+        drawn = {(round(x), round(y * 1e6)) for c in panel.collections for x, y in c.get_offsets()}
+        assert drawn == tried  # the resume's cached plan (of a size never measured): no point
+        said = [t.get_text() for t in panel.get_legend().get_texts()]
+        assert f"1-{len(first['search_log'])}: the first run ({first['compiles']} compiles)" in said
+        assert "run 2, resumed at update 1 (1 compile): the plan cache's plan, no search" in said
+        assert not zoom  # 288 to 512: nothing crowds
+        _assert_labels_apart(figure, len(tried))
+    finally:
+        plt.close(figure)
+
+
+def _assert_labels_apart(figure, points):
+    """Each point has a label, and no label overlaps another or covers the zoom inset."""
+    renderer = figure.canvas.get_renderer()
+    (panel,), zoom = figure.axes, figure.axes[0].child_axes
+    boxes = [t.get_window_extent(renderer) for ax in (panel, *zoom) for t in ax.texts]
+    assert len(boxes) == points
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    for inset in zoom:
+        inset = inset.get_tightbbox(renderer)
+        assert not any(t.get_window_extent(renderer).overlaps(inset) for t in panel.texts)
+
+
+def test_the_report_zooms_on_crowded_sizes_with_labels_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    # docs/cli.md's example (512 under 8 MB), its estimates as measured: 108, 109 and 116
+    # lay on one another at the bottom left of a linear axis.
+    sizes = ((512, 35253116), (116, 8478876), (108, 7937948), (109, 8005540))
+    log = [{"size": s, "fits": s == 108, "estimated_bytes": b, "decided_by": "estimate"}
+           for s, b in sizes]  # fmt: skip
+    plan = {"bucket": None, "micro_batch_size": 103, "accumulation_steps": 5, "compiles": 5,
+            "capacity": 8_000_000, "search_log": log}  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps({"plans": [plan], "search_seconds": 1.0}))
+    figure = search_figure(tmp_path)
+    try:
+        (panel,), (zoom,) = figure.axes, figure.axes[0].child_axes
+        assert panel.get_xscale() == "log"
+        low, high = zoom.get_xlim()
+        assert low < 108 and 116 < high < 512  # the neighbourhood of 108, not 512
+        labelled = sorted(t.get_text() for t in zoom.texts)
+        assert labelled == ["2", "3", "4"] and [t.get_text() for t in panel.texts] == ["1"]
+        _assert_labels_apart(figure, 4)
+    finally:
+        plt.close(figure)
+
+
+def test_the_reports_labels_of_points_on_one_another_are_moved_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    # Only size 1 fits (nothing to zoom on); 200 to 202 lie on one another on a log axis.
+    sizes = ((1, 1_000_000), (200, 9_000_000), (201, 9_010_000), (202, 9_020_000))
+    log = [{"size": s, "fits": s == 1, "estimated_bytes": b} for s, b in sizes]
+    (tmp_path / "plan.json").write_text(json.dumps({"plans": [{"search_log": log}]}))
+    figure = search_figure(tmp_path)
+    try:
+        assert not figure.axes[0].child_axes
+        _assert_labels_apart(figure, 4)
+    finally:
+        plt.close(figure)
 
 
 def _cli(*flags):
