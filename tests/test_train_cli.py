@@ -646,8 +646,13 @@ def test_a_batch_schedule_grows_the_target_and_resumes_mid_schedule(tmp_path, ca
     [
         ("tensorflow_datasets", ["--dataset", "tfds:mnist", "--no-progress"], "tfds"),
         ("matplotlib", None, "report"),  # python -m jax_adaptive.report WORKDIR
+        (
+            "tensorboardX",
+            ["--tensorboard", "--workdir", "never-made", "--no-progress"],
+            "tensorboard",
+        ),
     ],
-    ids=["tfds", "report"],
+    ids=["tfds", "report", "tensorboard"],
 )
 def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra, tmp_path,
                                                             monkeypatch, capsys):  # fmt: skip
@@ -656,13 +661,56 @@ def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra,
         (tmp_path / "plan.json").write_text('{"plans": []}')  # a run's workdir
         assert report_main([str(tmp_path)]) == 2
     else:
+        monkeypatch.chdir(tmp_path)
         assert main(argv) == 2
+        assert not list(tmp_path.iterdir())  # refused before anything was made
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"pip install 'jax_adaptive[{extra}]'" in err, err
 
 
 def _metrics(workdir):
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_writes_the_scalars_of_flax_examples_that_tensorboard_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--model", "mlp", "--target-batch-size", "64", "--learning-rate", "0.01",
+             "--eval-every", "2", "--checkpoint-every", "2", "--no-progress", "--tensorboard",
+             "--workdir", str(tmp_path)]  # fmt: skip
+    assert main([*flags, "--updates", "3"]) == 0
+    # Resumed from update 2 (as after a kill before update 3's checkpoint): update 3 is
+    # trained again, and its first values (an evaluation at the last update) must go.
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    assert main([*flags, "--updates", "4", "--resume"]) == 0
+    lines = _metrics(tmp_path)  # the reference: metrics.jsonl
+    assert [line["update"] for line in lines] == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path))  # TensorBoard's own reader
+    events.Reload()
+
+    def read(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    def expected(key, value=None):
+        return [(line["update"], pytest.approx(line[key] if value is None else value, rel=1e-6))
+                for line in lines if key in line]  # fmt: skip
+
+    assert set(events.Tags()["scalars"]) == {
+        "train_loss", "train_accuracy", "train_learning_rate", "eval_loss", "eval_accuracy",
+        "micro_batch_size", "accumulation_steps", "examples_per_update", "steps_per_second",
+        "examples_per_second",
+    }  # fmt: skip
+    assert read("train_loss") == expected("loss")
+    assert read("train_accuracy") == expected("train_accuracy")
+    assert read("train_learning_rate") == expected("loss", 0.01)
+    assert read("micro_batch_size") == expected("micro_batch_size")
+    assert read("eval_loss") == expected("eval_loss") and [s for s, _ in read("eval_loss")] == [
+        2,
+        4,
+    ]
+    assert read("eval_accuracy") == expected("eval_accuracy")
+    assert read("steps_per_second") == [(x["update"], pytest.approx(1 / x["seconds"], rel=1e-6))
+                                        for x in lines]  # fmt: skip
 
 
 def test_a_scheduled_run_counts_every_compile_says_its_steady_speed_and_each_plan_change(
@@ -983,6 +1031,7 @@ finally:
         (["--target-batch-size", "-5"], "error: --target-batch-size -5 must be a positive int"),
         (["--model", "no_such_module:factory"], "cannot import no_such_module"),
         (["--workdir", "FILE"], "is a file; it must name a directory"),
+        (["--tensorboard"], "--tensorboard writes its event files into --workdir"),
     ],
 )
 def test_help_and_a_bad_flag_answer_before_jax_is_imported(flags, says, tmp_path):

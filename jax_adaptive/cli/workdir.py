@@ -27,6 +27,7 @@ import jax
 
 from jax_adaptive.cli.checkpoints import Checkpoints
 from jax_adaptive.cli.config import TrainConfig
+from jax_adaptive.cli.scalars import ScalarWriter
 from jax_adaptive.files import write_atomic
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
@@ -198,6 +199,7 @@ class Workdir(contextlib.AbstractContextManager):
         self._plan: Any = None
         self._earlier: list[dict[str, Any]] = []  # the runs before this one (a resume)
         self._resumed_at = 0
+        self._scalars: ScalarWriter | None = None  # --tensorboard's event file
         self.primary = jax.process_index() == 0  # the one process writing plans and lines
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
@@ -259,15 +261,24 @@ class Workdir(contextlib.AbstractContextManager):
                 continue
         write_atomic(path, "".join(kept))
         self._metrics = open(path, "a")
+        if self.config.tensorboard:
+            if self._scalars is not None:
+                self._scalars.close()
+            self._scalars = ScalarWriter(self.path, self.config.learning_rate, start=done)
 
     def log(self, line: dict[str, Any]) -> None:
-        """Appends one update's metrics as a JSON line (flushed: a killed run keeps it)."""
+        """Appends one update's metrics as a JSON line (flushed: a killed run keeps it).
+
+        With ``--tensorboard``, also its scalars to the event file (`ScalarWriter`).
+        """
         if not self.primary:
             return
         if self._metrics is None:
             self._metrics = open(self.path / "metrics.jsonl", "a")
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
+        if self._scalars is not None:
+            self._scalars.write(line)
 
     def resume(self, state: TrainState) -> tuple[TrainState, int, int]:
         """``(state, data position, updates done)``: the latest checkpoint's with ``--resume``."""
@@ -287,6 +298,8 @@ class Workdir(contextlib.AbstractContextManager):
         try:
             if self._metrics is not None:
                 self._metrics.close()
+            if self._scalars is not None:
+                self._scalars.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
         finally:
