@@ -1,3 +1,4 @@
+import collections
 import dataclasses
 import io
 import itertools
@@ -22,7 +23,7 @@ from jax_adaptive.cli.config import check_config
 from jax_adaptive.cli.language_model import _stream
 from jax_adaptive.cli.main import TrainConfig, main, parse_bytes, train
 from jax_adaptive.cli.report import main as report_main
-from jax_adaptive.cli.report import write_report
+from jax_adaptive.cli.report import search_figure, write_report
 from jax_adaptive.cli.run import plan_note
 from jax_adaptive.data import synthetic_sequences
 from jax_adaptive.errors import OptimizerStepOutOfMemory
@@ -157,6 +158,138 @@ def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
     assert plans[1].startswith(plans[0].split(";")[0])  # the same micro-batch and steps
     assert "; 0 sizes compiled" in plans[1]
     assert f"(from the plan cache {tmp_path / 'plans.json'}; " in plans[1]  # where it came from
+
+
+def _compiled_programs(run):
+    """``run()``'s result and the programs XLA compiled meanwhile, by name, as JAX reports
+    each compile (its ``backend_compile_duration`` event: one per program compiled, a hit of
+    the session's persistent compilation cache included)."""
+    names = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        return run(), collections.Counter(names)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_resume_or_a_second_run_compiles_only_the_programs_its_update_runs(tmp_path, capsys):
+    flags = ["--model", "mlp", "--target-batch-size", "64", "--eval-every", "0", "--no-progress",
+             "--checkpoint-every", "1", "--plan-cache", str(tmp_path / "plans.json")]  # fmt: skip
+    first, compiled = _compiled_programs(
+        lambda: main([*flags, "--updates", "2", "--workdir", str(tmp_path / "run")])
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert first == 0 and "measured in 2 compiles" in out[0], out[0]  # the simulated device
+    searched = _compiles(out[1], " size")
+    assert compiled["jit(program)"] == 2 + searched, compiled  # the probe's two, the search's
+    runs = {
+        "resume": [*flags, "--updates", "3", "--workdir", str(tmp_path / "run"), "--resume"],
+        "second run": [*flags, "--updates", "1", "--workdir", str(tmp_path / "again")],
+    }
+    for name, argv in runs.items():
+        status, compiled = _compiled_programs(lambda argv=argv: main(argv))
+        out = capsys.readouterr().out.splitlines()
+        assert status == 0, name
+        # The update's own programs, once each: a micro-step and the optimizer step. The
+        # simulated device's two compiles and the search's are not made again.
+        assert compiled["jit(program)"] <= 1 and compiled.total() <= 2, (name, compiled)
+        assert set(compiled) <= {"jit(program)", "jit(optimizer_step)"}, (name, compiled)
+        assert "measured by an earlier run of this job, from the plan cache" in out[0], out[0]
+        assert "; 0 sizes compiled in " in out[1], out[1]
+        # The summary counts what happened: the plan cache's plan, no search.
+        assert re.search(r", 1 compile \(the plan from the plan cache\), [0-9.]+s planning "
+                         r"\([0-9.]+s the plan from the plan cache, no search; [0-9.]+s in 1 "
+                         r"update that compiled\), ", out[-1]), out[-1]  # fmt: skip
+
+
+def test_the_report_after_a_resume_shows_the_first_runs_search_readably(tmp_path):
+    import matplotlib.pyplot as plt
+
+    flags = ["--model", "mlp", "--target-batch-size", "512", "--memory-limit", "3.5MB",
+             "--multiple-of", "32", "--eval-every", "0", "--no-progress", "--workdir",
+             str(tmp_path)]  # fmt: skip
+    assert main([*flags, "--updates", "1"]) == 0
+    first = json.loads((tmp_path / "plan.json").read_text())["plans"][0]
+    tried = {(t["size"], t["estimated_bytes"]) for t in first["search_log"]}
+    assert len(tried) >= 3 and any(not t["fits"] for t in first["search_log"]), first
+    assert main([*flags, "--updates", "2", "--resume"]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # The resume searched nothing (the workdir's plan cache): its log is one cached trial.
+    resumed = plan["plans"][0]["search_log"]
+    assert [t["decided_by"] for t in resumed] == ["plan cache"], resumed
+    assert [p["search_log"] for r in plan["earlier_runs"] for p in r["plans"]] == [
+        first["search_log"]
+    ]
+    assert [p.name for p in write_report(tmp_path)] == ["search_trace.png", "loss.png"]
+    figure = search_figure(tmp_path)
+    try:
+        (panel,), zoom = figure.axes, figure.axes[0].child_axes
+        assert panel.get_xscale() == "log"
+        drawn = {(round(x), round(y * 1e6)) for c in panel.collections for x, y in c.get_offsets()}
+        assert drawn == tried  # the resume's cached plan (of a size never measured): no point
+        said = [t.get_text() for t in panel.get_legend().get_texts()]
+        assert f"1-{len(first['search_log'])}: the first run ({first['compiles']} compiles)" in said
+        assert "run 2, resumed at update 1 (1 compile): the plan cache's plan, no search" in said
+        assert not zoom  # 288 to 512: nothing crowds
+        _assert_labels_apart(figure, len(tried))
+    finally:
+        plt.close(figure)
+
+
+def _assert_labels_apart(figure, points):
+    """Each point has a label, and no label overlaps another or covers the zoom inset."""
+    renderer = figure.canvas.get_renderer()
+    (panel,), zoom = figure.axes, figure.axes[0].child_axes
+    boxes = [t.get_window_extent(renderer) for ax in (panel, *zoom) for t in ax.texts]
+    assert len(boxes) == points
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    for inset in zoom:
+        inset = inset.get_tightbbox(renderer)
+        assert not any(t.get_window_extent(renderer).overlaps(inset) for t in panel.texts)
+
+
+def test_the_report_zooms_on_crowded_sizes_with_labels_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    # docs/cli.md's example (512 under 8 MB), its estimates as measured: 108, 109 and 116
+    # lay on one another at the bottom left of a linear axis.
+    sizes = ((512, 35253116), (116, 8478876), (108, 7937948), (109, 8005540))
+    log = [{"size": s, "fits": s == 108, "estimated_bytes": b, "decided_by": "estimate"}
+           for s, b in sizes]  # fmt: skip
+    plan = {"bucket": None, "micro_batch_size": 103, "accumulation_steps": 5, "compiles": 5,
+            "capacity": 8_000_000, "search_log": log}  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps({"plans": [plan], "search_seconds": 1.0}))
+    figure = search_figure(tmp_path)
+    try:
+        (panel,), (zoom,) = figure.axes, figure.axes[0].child_axes
+        assert panel.get_xscale() == "log"
+        low, high = zoom.get_xlim()
+        assert low < 108 and 116 < high < 512  # the neighbourhood of 108, not 512
+        labelled = sorted(t.get_text() for t in zoom.texts)
+        assert labelled == ["2", "3", "4"] and [t.get_text() for t in panel.texts] == ["1"]
+        _assert_labels_apart(figure, 4)
+    finally:
+        plt.close(figure)
+
+
+def test_the_reports_labels_of_points_on_one_another_are_moved_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    # Only size 1 fits (nothing to zoom on); 200 to 202 lie on one another on a log axis.
+    sizes = ((1, 1_000_000), (200, 9_000_000), (201, 9_010_000), (202, 9_020_000))
+    log = [{"size": s, "fits": s == 1, "estimated_bytes": b} for s, b in sizes]
+    (tmp_path / "plan.json").write_text(json.dumps({"plans": [{"search_log": log}]}))
+    figure = search_figure(tmp_path)
+    try:
+        assert not figure.axes[0].child_axes
+        _assert_labels_apart(figure, 4)
+    finally:
+        plt.close(figure)
 
 
 def _cli(*flags):
@@ -513,8 +646,13 @@ def test_a_batch_schedule_grows_the_target_and_resumes_mid_schedule(tmp_path, ca
     [
         ("tensorflow_datasets", ["--dataset", "tfds:mnist", "--no-progress"], "tfds"),
         ("matplotlib", None, "report"),  # python -m jax_adaptive.report WORKDIR
+        (
+            "tensorboardX",
+            ["--tensorboard", "--workdir", "never-made", "--no-progress"],
+            "tensorboard",
+        ),
     ],
-    ids=["tfds", "report"],
+    ids=["tfds", "report", "tensorboard"],
 )
 def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra, tmp_path,
                                                             monkeypatch, capsys):  # fmt: skip
@@ -523,13 +661,56 @@ def test_a_missing_extra_is_one_line_saying_what_to_install(module, argv, extra,
         (tmp_path / "plan.json").write_text('{"plans": []}')  # a run's workdir
         assert report_main([str(tmp_path)]) == 2
     else:
+        monkeypatch.chdir(tmp_path)
         assert main(argv) == 2
+        assert not list(tmp_path.iterdir())  # refused before anything was made
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"pip install 'jax_adaptive[{extra}]'" in err, err
 
 
 def _metrics(workdir):
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_writes_the_scalars_of_flax_examples_that_tensorboard_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--model", "mlp", "--target-batch-size", "64", "--learning-rate", "0.01",
+             "--eval-every", "2", "--checkpoint-every", "2", "--no-progress", "--tensorboard",
+             "--workdir", str(tmp_path)]  # fmt: skip
+    assert main([*flags, "--updates", "3"]) == 0
+    # Resumed from update 2 (as after a kill before update 3's checkpoint): update 3 is
+    # trained again, and its first values (an evaluation at the last update) must go.
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    assert main([*flags, "--updates", "4", "--resume"]) == 0
+    lines = _metrics(tmp_path)  # the reference: metrics.jsonl
+    assert [line["update"] for line in lines] == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path))  # TensorBoard's own reader
+    events.Reload()
+
+    def read(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    def expected(key, value=None):
+        return [(line["update"], pytest.approx(line[key] if value is None else value, rel=1e-6))
+                for line in lines if key in line]  # fmt: skip
+
+    assert set(events.Tags()["scalars"]) == {
+        "train_loss", "train_accuracy", "train_learning_rate", "eval_loss", "eval_accuracy",
+        "micro_batch_size", "accumulation_steps", "examples_per_update", "steps_per_second",
+        "examples_per_second",
+    }  # fmt: skip
+    assert read("train_loss") == expected("loss")
+    assert read("train_accuracy") == expected("train_accuracy")
+    assert read("train_learning_rate") == expected("loss", 0.01)
+    assert read("micro_batch_size") == expected("micro_batch_size")
+    assert read("eval_loss") == expected("eval_loss") and [s for s, _ in read("eval_loss")] == [
+        2,
+        4,
+    ]
+    assert read("eval_accuracy") == expected("eval_accuracy")
+    assert read("steps_per_second") == [(x["update"], pytest.approx(1 / x["seconds"], rel=1e-6))
+                                        for x in lines]  # fmt: skip
 
 
 def test_a_scheduled_run_counts_every_compile_says_its_steady_speed_and_each_plan_change(
@@ -850,6 +1031,7 @@ finally:
         (["--target-batch-size", "-5"], "error: --target-batch-size -5 must be a positive int"),
         (["--model", "no_such_module:factory"], "cannot import no_such_module"),
         (["--workdir", "FILE"], "is a file; it must name a directory"),
+        (["--tensorboard"], "--tensorboard writes its event files into --workdir"),
     ],
 )
 def test_help_and_a_bad_flag_answer_before_jax_is_imported(flags, says, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jax_adaptive import checks
+from jax_adaptive.cli.extras import check_extra
 from jax_adaptive.schedule import BatchSchedule, parse_batch_schedule
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class TrainConfig:
     allow_nonfinite: bool = False  # a NaN or infinite loss goes on instead of stopping
     distributed: str | None = None  # "auto" or "HOST:PORT,PROCESSES,ID": jax.distributed
     distributed_timeout: int = 45  # seconds: for every process to join, for a silent one
+    tensorboard: bool = False  # each update's scalars as TensorBoard event files in workdir
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.
@@ -199,6 +201,8 @@ def check_config(config: TrainConfig) -> None:
          f"choose one of {', '.join(OPTIMIZER_NAMES)}."),
         (config.resume and config.workdir is None,
          "--resume needs --workdir (the directory of the run to resume)."),
+        (config.tensorboard and config.workdir is None,
+         "--tensorboard writes its event files into --workdir: add --workdir DIR."),
         (config.batch_schedule is not None and gpt,
          "--batch-schedule is for image models; --model gpt takes --target-tokens."),
         (config.objective not in OBJECTIVES,
@@ -208,6 +212,8 @@ def check_config(config: TrainConfig) -> None:
          "--data-parallel (--model gpt runs on one process)."),
     )  # fmt: skip
     config.distributed_args()  # raises naming the flag
+    if config.tensorboard:
+        check_extra("tensorboardX", "tensorboard", "--tensorboard")
     check, t_max = checks.flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
     check("--distributed-timeout", config.distributed_timeout)
     check("--target-batch-size", config.target_batch_size, **t_max)

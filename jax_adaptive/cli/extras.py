@@ -1,11 +1,12 @@
-"""The command line's optional dependencies (tfds, matplotlib): one line saying which extra."""
+"""The command line's optional dependencies (tfds, matplotlib, tensorboardX): one line each."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
-__all__ = ["import_extra"]
+__all__ = ["check_extra", "import_extra"]
 
 
 def import_extra(module: str, extra: str, what: str) -> ModuleType:
@@ -24,3 +25,22 @@ def import_extra(module: str, extra: str, what: str) -> ModuleType:
         if exc.name != module:  # installed, but something it imports is not
             raise
         raise ValueError(f"{what} needs {module}: pip install 'jax_adaptive[{extra}]'.") from exc
+
+
+def check_extra(module: str, extra: str, what: str) -> None:
+    """`import_extra`'s one-line `ValueError` if ``module`` is not installed, without importing it.
+
+    For a flag's check, before JAX starts.
+
+    Examples:
+        >>> check_extra("json", "none", "the example")
+        >>> check_extra("no_such_module", "tensorboard", "--tensorboard")
+        Traceback (most recent call last):
+        ValueError: --tensorboard needs no_such_module: pip install 'jax_adaptive[tensorboard]'.
+    """
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, a module without a spec
+        found = False
+    if not found:
+        raise ValueError(f"{what} needs {module}: pip install 'jax_adaptive[{extra}]'.")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import jax
 import numpy as np
 
+from jax_adaptive import checks
 from jax_adaptive.cli.config import (
     TrainConfig,
     check_config,
@@ -22,11 +24,12 @@ from jax_adaptive.cli.image_models import ImageModel, image_model, multiple_of
 from jax_adaptive.cli.run import RunHooks, plural, run_path
 from jax_adaptive.cli.workdir import Workdir, plan_entry
 from jax_adaptive.distributed import data_mesh
+from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.schedule import BatchSchedule
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
-__all__ = ["SIMULATED_SHARE", "train_images"]
+__all__ = ["SIMULATED_SHARE", "planning_text", "train_images"]
 
 SIMULATED_SHARE = 4
 """The simulated device holds about ``1 / SIMULATED_SHARE`` of a target batch's activations."""
@@ -36,39 +39,102 @@ SIMULATED_SHARE = 4
 _RUN_FIELDS = ("model", "dataset", "target_batch_size", "optimizer", "learning_rate", "seed")
 
 
+class _Device(NamedTuple):
+    """The device a run plans for, and what measuring it cost this run.
+
+    ``limit``: its bytes (None: the device's own); ``words``: what the plan line says of
+    it; ``seconds``, ``compiles``: spent measuring a simulated one (0: none was measured).
+    """
+
+    limit: int | None
+    words: str
+    seconds: float = 0.0
+    compiles: int = 0
+
+
+_MEASURE = 1
+"""The simulated device's measurement as this code makes it: part of its plan cache key,
+raised when `_memory_limit` measures otherwise, so that no earlier run's size is taken."""
+
+
 def _memory_limit(config: TrainConfig, model: ImageModel, params: Any, model_state: Any,
-                  example: Any, out: TextIO) -> tuple[int | None, str]:  # fmt: skip
+                  example: Any, out: TextIO) -> _Device:  # fmt: skip
     """``--memory-limit``, or a small device simulated on a CPU (``auto``, no limit).
 
     It holds the smallest size's ledger and a `SIMULATED_SHARE`-th of the rest of the
     largest target batch's, and at least the state beside the first (the optimizer step).
-    Also returns what the plan line says of it: whether a device is simulated, and why not.
+    A run of the same job (a ``--resume``, a second run) takes the size an earlier one
+    measured from the plan cache, compiling nothing (`_simulated_key`).
     """
     cpu = jax.devices()[0].platform == "cpu"
     if config.memory_limit is not None:
         what = "a simulated device" if cpu else "a memory limit"
-        return config.memory_limit, f"{what} of {config.memory_limit / 1e6:.2f} MB (--memory-limit)"
+        limit = config.memory_limit
+        return _Device(limit, f"{what} of {limit / 1e6:.2f} MB (--memory-limit)")
     why_not = _not_simulated(config, cpu)
     if why_not is not None:
-        return None, why_not
+        return _Device(None, why_not)
     start, T = time.perf_counter(), max(config.target_sizes())
+    small = min(T, multiple_of(config, model))
+    cache = PlanCache.from_arg(config.plan_cache_arg())
+    key = None if cache is None else _simulated_key(config, model, params, model_state,
+                                                    example, T, small)  # fmt: skip
+    entry = None if cache is None or key is None else cache.get(key)
+    cached = None if entry is None else entry.get("simulated_device_bytes")
+    about = f"room for about a quarter of the target batch of {T} and the optimizer step; "
+    if checks.is_int(cached) and cached >= 1:
+        print(
+            f"simulating a device of {cached / 1e6:.2f} MB on this CPU ({about}measured by an "
+            f"earlier run of this job, from the plan cache {cache.path}), so that the plan "
+            "searches and accumulates: --memory-limit BYTES sets the size, "
+            "--no-simulated-device trains without a cap",
+            file=out,
+        )  # fmt: skip
+        return _Device(int(cached), f"a simulated device of {cached / 1e6:.2f} MB")
     probe = AdaptiveTrainer(
         model.loss_fn, make_optimizer(config), target_batch_size=T, micro_batch_size=T,
         has_aux=True, has_state=bool(model.mutable), plan_cache=False,
     )  # fmt: skip
     probe.init(params, example, model_state=model_state)
-    small = probe.ledger(min(T, multiple_of(config, model)))
+    first = probe.ledger(small)
     whole = probe.ledger(T).total
-    limit = max(small.total + (whole - small.total) // SIMULATED_SHARE, small.total + small.state)
+    limit = max(first.total + (whole - first.total) // SIMULATED_SHARE, first.total + first.state)
+    seconds = time.perf_counter() - start
+    if cache is not None and key is not None:
+        cache.put(key, {"simulated_device_bytes": limit, "target_batch_size": T, "small": small})
     print(
-        f"simulating a device of {limit / 1e6:.2f} MB on this CPU (room for about a quarter "
-        f"of the target batch of {T} and the optimizer step; measured in {probe.compiles} "
-        f"compiles, {time.perf_counter() - start:.1f}s), so that the plan searches and "
+        f"simulating a device of {limit / 1e6:.2f} MB on this CPU ({about}measured in "
+        f"{probe.compiles} compiles, {seconds:.1f}s), so that the plan searches and "
         "accumulates: --memory-limit BYTES sets the size, --no-simulated-device trains "
         "without a cap",
         file=out,
     )
-    return limit, f"a simulated device of {limit / 1e6:.2f} MB"
+    return _Device(limit, f"a simulated device of {limit / 1e6:.2f} MB", seconds, probe.compiles)
+
+
+def _simulated_key(config: TrainConfig, model: ImageModel, params: Any, model_state: Any,
+                   example: Any, T: int, small: int) -> str | None:  # fmt: skip
+    """The plan cache's key of the simulated device: all that decides its measurement.
+
+    The training loss's code and shapes (its lowered text at ``small`` examples: a trace,
+    no compile), the optimizer, the two sizes measured, the share, the device, JAX and
+    `_MEASURE`. None when the loss cannot be lowered alone (the device is then measured).
+    """
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((small, *np.shape(x)[1:]), np.asarray(x).dtype), example
+    )
+    args = (params, model_state, batch) if model.mutable else (params, batch)
+    try:
+        lowered = jax.jit(model.loss_fn).lower(*args, jax.random.key(config.seed))
+    except Exception:  # the probe's own compile raises it, with its traceback
+        return None
+    device = jax.devices()[0]
+    return plan_key(
+        what="simulated device", program=hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+        optimizer=config.optimizer, target=T, small=small, share=SIMULATED_SHARE,
+        platform=device.platform, device_kind=device.device_kind, jax=jax.__version__,
+        measure=_MEASURE,
+    )  # fmt: skip
 
 
 def _not_simulated(config: TrainConfig, cpu: bool) -> str | None:
@@ -134,7 +200,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     example = jax.tree.map(lambda x: np.asarray(x)[None], source[0])  # its shapes
     model = image_model(config, source.num_classes, source[0])
     params, model_state = model.variables(jax.random.key(config.seed), example["image"])
-    limit, device = _memory_limit(config, model, params, model_state, example, out)
+    device = _memory_limit(config, model, params, model_state, example, out)
+    limit = device.limit
     trainer = AdaptiveTrainer(
         model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size, memory_limit=limit,
@@ -149,7 +216,10 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         "compiles": trainer.compiles,
         "search_seconds": time.perf_counter() - start,
         "from_plan_cache": str(trainer.plan_cache.path) if cached else None,
+        "plan_source": trainer.plan_info.source,  # searched, plan cache or fixed
         "memory_limit": limit,
+        "device_seconds": device.seconds,  # measuring the simulated device (0: none, cached)
+        "device_compiles": device.compiles,
     }
     held_out = None
     if config.eval_every:
@@ -159,7 +229,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     state, position, done = (state, 0, 0) if workdir is None else workdir.resume(state)
     if done:
         trainer.plan(state, example)  # the schedule goes on
-    print(_plan_line(trainer, search, done, config, model.ghost, device), file=out)
+    print(_plan_line(trainer, search, done, config, model.ghost, device.words), file=out)
 
     def evaluate(state: TrainState) -> dict[str, Any]:
         metrics = trainer.evaluate(state, held_out, model.metric_fn)
@@ -258,17 +328,47 @@ def train_images(config: TrainConfig, *, out: TextIO | None = None) -> dict[str,
 def _summary_line(summary: dict[str, Any]) -> str:
     losses, held_out, sizes = summary["losses"], summary["held_out"], summary["target_batch_sizes"]
     changes = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
-    compiling = summary["compiling_updates"]
+    compiles = summary["compiles_total"]
     return (
         f"summary: plan {summary['micro_batch_size']} x {summary['accumulation_steps']}, "
         + (f"target batch {' -> '.join(map(str, changes))}, " if len(changes) > 1 else "")
-        + f"{summary['compiles_total']} compiles"
+        + f"{compiles} compile{'s' * (compiles != 1)}"
         + (" (the plan from the plan cache)" if summary["from_plan_cache"] else "")
-        + f", {summary['search_seconds'] + summary['compiling_seconds']:.1f}s planning (the search"
-        + (f" and {plural(compiling, 'update')} that compiled" if compiling else "")
-        + f"), {summary['speed']}, final "
+        + f", {planning_text(summary)}, {summary['speed']}, final "
         + (f"loss {losses[-1]:.4f} train_accuracy {summary['train_accuracy']:.3f}" if losses
            else "loss n/a")
         + (f", held-out loss {held_out['loss']:.4f} accuracy {held_out['accuracy']:.3f} "
            f"({held_out['examples']} examples)" if held_out else "")
     )  # fmt: skip
+
+
+_INIT = {  # what the seconds of init went to, by how the plan was decided
+    "searched": "the search",
+    "plan cache": "the plan from the plan cache, no search",
+    "fixed": "the fixed micro-batch, no search",
+}
+
+
+def planning_text(summary: dict[str, Any]) -> str:
+    """The summary's planning seconds and what they went to: only what this run did.
+
+    Examples:
+        >>> print(planning_text({"device_seconds": 0.0, "search_seconds": 1.04,
+        ...                      "plan_source": "plan cache", "compiling_seconds": 0.9,
+        ...                      "compiling_updates": 1}))
+        1.9s planning (1.0s the plan from the plan cache, no search; 0.9s in 1 update that compiled)
+    """
+    parts, total = [], 0.0
+    if summary.get("device_seconds"):
+        seconds = summary["device_seconds"]
+        count = summary.get("device_compiles", 0)
+        parts.append(f"{seconds:.1f}s measuring the simulated device in {plural(count, 'compile')}")
+        total += seconds
+    init = _INIT.get(summary.get("plan_source") or "searched", "the plan")
+    parts.append(f"{summary['search_seconds']:.1f}s {init}")
+    total += summary["search_seconds"]
+    if summary["compiling_updates"]:
+        parts.append(f"{summary['compiling_seconds']:.1f}s in "
+                     f"{plural(summary['compiling_updates'], 'update')} that compiled")  # fmt: skip
+        total += summary["compiling_seconds"]
+    return f"{total:.1f}s planning ({'; '.join(parts)})"

@@ -275,6 +275,10 @@ def _parser() -> argparse.ArgumentParser:
         "run holds it at a time (default: none, nothing written)")
     add("--resume", action="store_true",
         help="go on from the latest checkpoint in --workdir (of the same training)")
+    add("--tensorboard", action="store_true",
+        help="also write each update's scalars (train_loss, train_learning_rate, eval_loss, "
+        "micro_batch_size, ...) as TensorBoard event files in --workdir (needs the "
+        "tensorboard extra: pip install 'jax_adaptive[tensorboard]')")
     add("--eval-every", type=int, default=10, metavar="N",
         help="held-out loss and accuracy every N updates and after the last; 0: none")
     add("--checkpoint-every", type=int, default=10,

@@ -1,6 +1,9 @@
 """A run's directory: ``plan.json``, ``metrics.jsonl`` (one line per update) and checkpoints.
 
-``plan.json`` is ``{"config", "plans", "search_seconds"}``, a `plan_entry` per trainer.
+``plan.json`` is ``{"config", "plans", "search_seconds"}``, a `plan_entry` per trainer; a
+resumed run adds ``resumed_at`` (the updates done before it) and ``earlier_runs``: the
+``plans``, ``search_seconds`` and ``resumed_at`` of each run before it in the workdir, in
+order, so that the whole run's search history stays (`python -m jax_adaptive.report`).
 Under ``jax.distributed`` process 0 alone writes these; every process saves checkpoints.
 One run holds a workdir at a time (`WorkdirLock`).
 """
@@ -24,11 +27,12 @@ import jax
 
 from jax_adaptive.cli.checkpoints import Checkpoints
 from jax_adaptive.cli.config import TrainConfig
+from jax_adaptive.cli.scalars import ScalarWriter
 from jax_adaptive.files import write_atomic
 from jax_adaptive.step import TrainState
 from jax_adaptive.trainer import AdaptiveTrainer
 
-__all__ = ["Workdir", "WorkdirLock", "plan_entry"]
+__all__ = ["Workdir", "WorkdirLock", "earlier_runs", "plan_entry"]
 
 
 def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict[str, Any]:
@@ -43,6 +47,30 @@ def plan_entry(trainer: AdaptiveTrainer, bucket: Hashable | None = None) -> dict
         "memory_limit": trainer.memory_limit,
         "search_log": [trial._asdict() for trial in trainer.search_log],
     }
+
+
+def earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs a resumed run's ``plan.json`` keeps: those of the one at ``path``, then it.
+
+    Each is ``{"plans", "search_seconds", "resumed_at"}``; none from a ``plan.json`` that
+    is missing or unreadable (a run killed before it wrote one).
+
+    Examples:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "plan.json"
+        >>> _ = path.write_text(json.dumps({"config": {}, "plans": [], "search_seconds": 1.5}))
+        >>> earlier_runs(path)
+        [{'plans': [], 'search_seconds': 1.5, 'resumed_at': 0}]
+    """
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(plan, dict) or not isinstance(plan.get("plans"), list):
+        return []
+    before = [r for r in plan.get("earlier_runs") or [] if isinstance(r, dict)]
+    run = {k: plan.get(k) for k in ("plans", "search_seconds")}
+    return [*before, {**run, "resumed_at": plan.get("resumed_at", 0)}]
 
 
 def _alive(pid: int) -> bool:
@@ -169,6 +197,9 @@ class Workdir(contextlib.AbstractContextManager):
         self.path, self.config = Path(path).resolve(), config
         self._metrics: TextIO | None = None
         self._plan: Any = None
+        self._earlier: list[dict[str, Any]] = []  # the runs before this one (a resume)
+        self._resumed_at = 0
+        self._scalars: ScalarWriter | None = None  # --tensorboard's event file
         self.primary = jax.process_index() == 0  # the one process writing plans and lines
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"--workdir {str(path)!r} is a file; it must name a directory.")
@@ -196,13 +227,19 @@ class Workdir(contextlib.AbstractContextManager):
                         "another --workdir."
                     )
                 self.checkpoints.check_resumable()  # before anything is built
+            if config.resume and self.primary:
+                self._earlier = earlier_runs(self.path / "plan.json")
         except BaseException:
             self.__exit__()
             raise
 
     def write_plan(self, plans: list[dict[str, Any]], *, search_seconds: float) -> None:
         """(Re)writes ``plan.json`` when the plans or the search time changed."""
-        plan = {"plans": plans, "search_seconds": search_seconds}
+        plan: dict[str, Any] = {"plans": plans, "search_seconds": search_seconds}
+        if self._resumed_at:
+            plan["resumed_at"] = self._resumed_at
+        if self._earlier:
+            plan["earlier_runs"] = self._earlier
         if plan != self._plan and self.primary:
             text = {"config": dataclasses.asdict(self.config), **plan}
             write_atomic(self.path / "plan.json", json.dumps(text, indent=1, default=str))
@@ -210,6 +247,7 @@ class Workdir(contextlib.AbstractContextManager):
 
     def start(self, done: int) -> None:
         """Keeps only the lines of updates ``1..done``: a resumed run writes the rest again."""
+        self._resumed_at = done
         if not self.primary:
             return
         if self._metrics is not None:
@@ -223,15 +261,24 @@ class Workdir(contextlib.AbstractContextManager):
                 continue
         write_atomic(path, "".join(kept))
         self._metrics = open(path, "a")
+        if self.config.tensorboard:
+            if self._scalars is not None:
+                self._scalars.close()
+            self._scalars = ScalarWriter(self.path, self.config.learning_rate, start=done)
 
     def log(self, line: dict[str, Any]) -> None:
-        """Appends one update's metrics as a JSON line (flushed: a killed run keeps it)."""
+        """Appends one update's metrics as a JSON line (flushed: a killed run keeps it).
+
+        With ``--tensorboard``, also its scalars to the event file (`ScalarWriter`).
+        """
         if not self.primary:
             return
         if self._metrics is None:
             self._metrics = open(self.path / "metrics.jsonl", "a")
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
+        if self._scalars is not None:
+            self._scalars.write(line)
 
     def resume(self, state: TrainState) -> tuple[TrainState, int, int]:
         """``(state, data position, updates done)``: the latest checkpoint's with ``--resume``."""
@@ -251,6 +298,8 @@ class Workdir(contextlib.AbstractContextManager):
         try:
             if self._metrics is not None:
                 self._metrics.close()
+            if self._scalars is not None:
+                self._scalars.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
         finally:
