@@ -15,15 +15,18 @@ device: what offloading takes out of the report still lives in the same memory.
 
     python experiments/remat.py          # writes experiments/results/remat.{json,png}
     python experiments/remat.py --quick  # a smaller model, two policies
+    python experiments/remat.py --replot # the PNG again from the JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -118,7 +121,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=4, help="timed updates (after one)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="experiments/results/remat.json")
+    parser.add_argument("--replot", action="store_true", help="only draw --out's PNG again")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
     logging.getLogger("jax_adaptive").setLevel(logging.WARNING)
     T = args.target
     if args.quick:
@@ -203,9 +210,16 @@ def main() -> None:
 
     config = vars(model) | {"target_batch_size": T, "optimizer": "adam"}
     out = write_result(args.out, {"model": config, "probes": probes, "cases": cases})
+    plot(json.loads(out.read_text()), out.with_suffix(".png"))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Largest micro-batch and time per update, per policy and limit (``--replot``)."""
     plt = pyplot()
     if plt is None:
         return
+    cases, T = result["cases"], result["model"]["target_batch_size"]
+    policies = list(cases[0]["policies"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     groups = [case["limit"] for case in cases]
     short = {n: n.replace("_with_no_batch_dims", "").replace("_saveable", "") for n in policies}
@@ -217,10 +231,11 @@ def main() -> None:
         short[n]: [1e3 * case["policies"][n].get("seconds_per_update", math.nan) for case in cases]
         for n in policies
     })  # fmt: skip
-    right.set_ylabel("ms per update (chosen: " + ", ".join(str(c["chosen"]) for c in cases) + ")")
+    right.set_ylabel("ms per update")
+    right.set_title("chosen: " + ", ".join(short.get(c["chosen"], "-") for c in cases), fontsize=9)
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=8)
-    save_figure(fig, out.with_suffix(".png"))
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
