@@ -11,6 +11,7 @@ Which entry point:
 * a Flax NNX module and an optax optimizer: `NnxTrainer`;
 * your own jitted training step: `AdaptiveStep` around it, `micro_batch_grad` inside it;
 * inputs of varying shape (sequences): `BucketedTrainer`, `bucket_batches`;
+* a model that can rematerialise its layers: `RematChoices` of its losses, one per policy;
 * evaluation and prediction: `Evaluator` (or `AdaptiveTrainer.evaluate`);
 * no code: ``python -m jax_adaptive.train``.
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers
     from jax_adaptive.nnx_trainer import NnxTrainer
     from jax_adaptive.plan import Plan, SizeTrial
     from jax_adaptive.plan_cache import PlanCache
+    from jax_adaptive.remat import RematChoices
     from jax_adaptive.search import SearchResult, search_max_size
     from jax_adaptive.step import TrainState
     from jax_adaptive.trainer import AdaptiveTrainer
@@ -67,6 +69,7 @@ __all__ = [
     "Plan",
     "PlanCache",
     "Rebatcher",
+    "RematChoices",
     "SearchResult",
     "SimulatedOutOfMemory",
     "SizeTrial",
@@ -102,6 +105,7 @@ _MODULES = {
     "Plan": "plan",
     "PlanCache": "plan_cache",
     "Rebatcher": "data",
+    "RematChoices": "remat",
     "SearchResult": "search",
     "SimulatedOutOfMemory": "errors",
     "SizeTrial": "plan",

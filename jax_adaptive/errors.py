@@ -167,7 +167,7 @@ class NothingFitsError(RuntimeError):
     """
 
     def __init__(self, smallest: int, trials: list[Any], detail: str = ""):
-        self.smallest, self.trials = smallest, trials
+        self.smallest, self.trials, self.detail = smallest, trials, detail
         super().__init__(
             f"no size fits: even the smallest candidate, {smallest}, does not fit"
             f"{': ' + detail if detail else ''} (sizes tried: {[t.size for t in trials]})."

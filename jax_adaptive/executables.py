@@ -11,7 +11,7 @@ import functools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -78,6 +78,8 @@ class Executables:
         key: ``() -> {name: value}``, the plan cache key's parts besides the programs.
         fingerprint_at: ``() -> size`` the micro-step's code is fingerprinted at.
         memory_prior: a predicted ``(intercept, slope)`` of the micro-step's peak.
+        variant: which of several losses of the same shapes this is (a remat policy's
+            name): the engine sizes each apart.
 
     ``micro(size, chunk=c)`` runs ``c`` micro-steps in one program, ``final(size, c, T)``
     then the optimizer step; every program takes ``T`` at run time.
@@ -105,8 +107,10 @@ class Executables:
         key: Callable[[], Mapping[str, Any]],
         fingerprint_at: Callable[[], int] = lambda: 1,
         memory_prior: tuple[float, float] | None = None,
+        variant: Hashable = None,
     ):
         self.loss_fn, self.optimizer, self.sizing = loss_fn, optimizer, sizing
+        self.variant = variant
         self.has_aux, self.has_state = has_aux, has_state
         self.everywhere, self.data, self.in_flight = everywhere, data, in_flight
         self._key, self._fingerprint_at, self._prior = key, fingerprint_at, memory_prior
@@ -157,7 +161,8 @@ class Executables:
         self._ledgers: dict[tuple[int, int, bool, bool], Ledger] = {}
         self._collectives: dict[int, Collectives] = {}
         self.zero_totals = zeros(self.totals_struct)  # never donated: every update starts here
-        signature = (jax.tree.structure(structs), tuple(jax.tree.leaves(structs)))
+        leaves = tuple(jax.tree.leaves(structs))
+        signature = (self.variant, jax.tree.structure(structs), leaves)
         self.program = self.sizing.bind(signature, self._sized)
         return True
 

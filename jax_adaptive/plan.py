@@ -133,6 +133,8 @@ class Plan(NamedTuple):
             process order, when they differ (all plan from the smallest); else None.
         collectives: the `Collectives` of the update's programs under a mesh (None: one
             device, or not measured yet); the words say them when there are any.
+        remat: the remat policy chosen and each policy's plan, in words
+            (`jax_adaptive.remat.RematChoice`); None when the model offers no choice.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -152,6 +154,7 @@ the optimizer step in the last program
     source: str | None = None
     found: tuple[int, ...] | None = None
     collectives: Collectives | None = None
+    remat: str | None = None
 
     def bound(self) -> str | None:
         """Which process bound the plan and how much further the others could have gone.
@@ -178,6 +181,8 @@ the optimizer step in the last program
             why.append(f"the largest that fits is {self.largest}")
         if self.found is not None:
             why.append(str(self.bound()))
+        if self.remat is not None:
+            why.append(f"remat policy {self.remat}")
         if why:
             words[0] += f" ({'; '.join(why)})"
         of = "" if self.capacity is None else f" of {self.capacity:,}"

@@ -22,6 +22,7 @@ from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.read_ahead import interrupts_relayed
+from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
 from jax_adaptive.sizing import Sizing, forwarded
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
@@ -38,7 +39,9 @@ class AdaptiveTrainer:
     Each option at length: docs/trainer.md.
 
     Args:
-        loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example.
+        loss_fn: ``(params, batch, rng) -> losses`` of shape ``[m]``, one per example; or
+            a `jax_adaptive.remat.RematChoices` of such losses, one per remat policy: the
+            plan takes the policy with the fewest micro-steps (docs/memory.md).
         optimizer: any ``optax.GradientTransformation``, applied once per target batch.
         target_batch_size: examples per update: an int, or a schedule (docs/schedules.md).
         micro_batch_size: ``"auto"`` (the largest that fits) or a fixed int.
@@ -89,7 +92,7 @@ class AdaptiveTrainer:
 
     def __init__(
         self,
-        loss_fn: PerExampleLoss,
+        loss_fn: PerExampleLoss | RematChoices[PerExampleLoss],
         optimizer: optax.GradientTransformation,
         *,
         target_batch_size: ScheduleSpec,
@@ -115,8 +118,11 @@ class AdaptiveTrainer:
         normalizer: Normalizer | None = None,
         opt_state_sharding: Any = None,
     ):
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        # Several losses, one per remat policy: a plan over (policy, size) picks one.
+        losses = loss_fn if isinstance(loss_fn, RematChoices) else {None: loss_fn}
+        for loss in losses.values():
+            if not callable(loss):
+                raise TypeError(f"loss_fn must be callable, got {type(loss).__name__}.")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 "optimizer must be an optax.GradientTransformation (with init and update), "
@@ -135,9 +141,9 @@ class AdaptiveTrainer:
         T = self._cursor.size_at(0)
         constant = self.schedule.constant is not None
         targets = [T] if constant else [size for _, size in self.schedule.steps or ()]
-        multiple_of = checks.ghost_multiple(
-            loss_fn, checks.positive_int("multiple_of", multiple_of), targets
-        )
+        multiple_of = checks.positive_int("multiple_of", multiple_of)
+        for loss in losses.values():
+            multiple_of = checks.ghost_multiple(loss, multiple_of, targets)
         fixed = checks.fixed_size(
             micro_batch_size, multiple_of if constant else 1,
             T if constant else checks.MAX_TARGET_BATCH_SIZE, self.shards,
@@ -147,19 +153,29 @@ class AdaptiveTrainer:
             device=self.placement.device, plan_cache=PlanCache.from_arg(plan_cache),
             oom_retries=oom_retries, agree=Agreement(),
         )  # fmt: skip
-        self._executables = Executables(
-            checks.refuse_aux_named_loss(loss_fn, has_aux, has_state), optimizer, self._sizing,
-            has_aux=has_aux, has_state=has_state,
-            everywhere=self.placement.everywhere, data=self.placement.data,
-            in_flight=checks.positive_int("in_flight", in_flight),
-            key=lambda: self._planner.key_parts(), memory_prior=memory_prior,
-            fingerprint_at=lambda: self._planner.fingerprint_size(),
-        )  # fmt: skip
-        self._planner = Planner(
-            self._executables, target_batch_size=T, fixed=fixed, grow=grow,
-            multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
-        )  # fmt: skip
-        self._updater = Updater(self._planner, self.placement, in_flight)
+        checks.positive_int("in_flight", in_flight)
+
+        def build(loss: PerExampleLoss, remat: str | None) -> tuple[Executables, Planner, Updater]:
+            """One loss's programs, plan and update (its remat policy in the cache's key)."""
+            policy = {} if remat is None else {"remat": remat}
+            executables = Executables(
+                checks.refuse_aux_named_loss(loss, has_aux, has_state), optimizer, self._sizing,
+                has_aux=has_aux, has_state=has_state,
+                everywhere=self.placement.everywhere, data=self.placement.data,
+                in_flight=in_flight, key=lambda: {**planner.key_parts(), **policy},
+                memory_prior=memory_prior, fingerprint_at=lambda: planner.fingerprint_size(),
+                variant=remat,
+            )  # fmt: skip
+            planner = Planner(
+                executables, target_batch_size=T, fixed=fixed, grow=grow,
+                multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
+            )  # fmt: skip
+            return executables, planner, Updater(planner, self.placement, in_flight)
+
+        # Each policy's programs and plan; the chosen one's run (`plan`).
+        self._levers = {name: build(loss, name) for name, loss in losses.items()}
+        self._executables, self._planner, self._updater = next(iter(self._levers.values()))
+        self._remat: RematChoice | None = None
         self._evaluations = TrainerEvaluations(
             has_state=has_state, device=self.device, mesh=self.mesh,
             limit=lambda: self.memory_limit, headroom=self.headroom,
@@ -216,7 +232,8 @@ class AdaptiveTrainer:
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` of the next update (``print`` it for the plan in words)."""
         self._sync_target()
-        return self._planner.plan
+        plan = self._planner.plan
+        return plan if self._remat is None else plan._replace(remat=str(self._remat))
 
     @property
     def compiled_sizes(self) -> list[int]:
@@ -269,10 +286,29 @@ class AdaptiveTrainer:
         """
         leading_size(example_batch, "example_batch")
         T = self._cursor.size_at(self._cursor.seen(state.updates))
-        if self._executables.bind(state, example_batch) or self._planner.size is None:
+        if len(self._levers) > 1:
+            self._plan_remat(state, example_batch, T)
+        elif self._executables.bind(state, example_batch) or self._planner.size is None:
             self._planner.plan_for(state, T)
         else:  # the shapes it is planned for: the plan holds, for the state's target
             self._planner.set_target(T)
+
+    def _plan_remat(self, state: TrainState, example_batch: Batch, T: int) -> None:
+        """Plans every remat policy (`jax_adaptive.remat.plan_policies`) and runs the chosen."""
+        fresh = [ex.bind(state, example_batch) for ex, _, _ in self._levers.values()]
+        if not any(fresh) and self._planner.size is not None:
+            self._planner.set_target(T)  # the shapes it is planned for: the plan holds
+            return
+        self._remat = plan_policies(
+            lambda name: self._levers[name][1].plan_for(state, T), list(self._levers), T,
+            cache=self.plan_cache,
+            keys=lambda: [ex.program.key() for ex, _, _ in self._levers.values()],
+            log=log.info,
+        )  # fmt: skip
+        self._executables, self._planner, self._updater = self._levers[self._remat.policy]
+        for ex, _, _ in self._levers.values():
+            if ex is not self._executables:
+                ex.release(keep=())  # the programs of the policies not chosen
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).

@@ -1,0 +1,126 @@
+"""Remat as the planner's second lever: a plan over (policy, micro-batch), exact.
+
+The model is a causal language model whose layers run under ``lax.scan``, as users write
+them: XLA:CPU's memory analysis shows what ``jax.checkpoint`` saves only on scanned
+layers (docs/memory.md).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, full_batch_reference
+
+import jax_adaptive as ja
+from jax_adaptive.plan_cache import PlanCache
+from jax_adaptive.remat import maybe_checkpoint
+
+VOCAB, LENGTH, WIDTH, HIDDEN, LAYERS = 16, 32, 16, 64, 6
+T = 8
+POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable}
+# Ledgers with Adam on XLA:CPU (jax 0.10), micro-batch 1 to 4: without remat 612, 865,
+# 1117, 1387 kB; with nothing_saveable 426, 492, 558, 624 kB.
+SMALL = 600_000  # nothing fits without remat; 3 fits with it
+LARGE = 10**9  # the whole target batch fits without remat
+
+
+def init_params(key):
+    keys = jax.random.split(key, 5)
+
+    def normal(k, shape, scale):
+        return scale * jax.random.normal(k, shape)
+
+    return {
+        "embed": normal(keys[0], (VOCAB, WIDTH), 0.5),
+        "layers": {
+            "qkv": normal(keys[1], (LAYERS, WIDTH, 3 * WIDTH), WIDTH**-0.5),
+            "up": normal(keys[2], (LAYERS, WIDTH, HIDDEN), WIDTH**-0.5),
+            "down": normal(keys[3], (LAYERS, HIDDEN, WIDTH), HIDDEN**-0.5),
+        },
+        "head": normal(keys[4], (WIDTH, VOCAB), WIDTH**-0.5),
+    }
+
+
+def block(x, p):
+    """A causal self-attention layer and an MLP, both residual."""
+    q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+    scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+    scores = jnp.where(jnp.tril(jnp.ones((LENGTH, LENGTH), bool))[None], scores, -1e9)
+    x = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), v)
+    return x + jnp.tanh(x @ p["up"]) @ p["down"], None
+
+
+def make_loss(policy):
+    """Per-example mean next-token cross-entropy, the layers scanned under ``policy``."""
+    body = maybe_checkpoint(block, policy)
+
+    def loss(params, batch, rng):
+        x, _ = jax.lax.scan(body, params["embed"][batch[:, :-1]], params["layers"])
+        logits = x @ params["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean(axis=1)
+
+    return loss
+
+
+def token_batches(num, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, (T, LENGTH + 1)).astype(np.int32) for _ in range(num)]
+
+
+def train(limit, batches, **kwargs):
+    trainer = ja.AdaptiveTrainer(
+        ja.RematChoices.from_factory(make_loss, POLICIES), optax.adam(1e-2),
+        target_batch_size=T, memory_limit=limit, **kwargs,
+    )  # fmt: skip
+    state = trainer.init(init_params(jax.random.key(0)), batches[0])
+    plan = trainer.plan_info
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    return trainer, plan, state
+
+
+def test_when_nothing_fits_without_remat_the_plan_remats_and_stays_exact():
+    batches = token_batches(3)
+    # Without remat, not even one example fits this device.
+    plain = ja.AdaptiveTrainer(make_loss(None), optax.adam(1e-2), target_batch_size=T,
+                               memory_limit=SMALL, plan_cache=False)  # fmt: skip
+    with pytest.raises(ja.NothingFitsError):
+        plain.init(init_params(jax.random.key(0)), batches[0])
+
+    trainer, plan, state = train(SMALL, batches, plan_cache=False)
+    assert "remat policy full" in str(plan) and "none nothing fits" in str(plan)
+    assert plan.micro_batch_size >= 2 and plan.accumulation_steps < T
+    assert trainer.ledger(plan.micro_batch_size).total <= SMALL
+    reference = full_batch_reference(
+        make_loss(None), optax.adam(1e-2), init_params(jax.random.key(0)), batches
+    )
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_with_room_the_plan_drops_remat_and_never_plans_it():
+    batches = token_batches(2, seed=1)
+    trainer, plan, state = train(LARGE, batches, plan_cache=False)
+    assert plan.micro_batch_size == T and plan.accumulation_steps == 1
+    assert "remat policy none (micro-batch by policy: none 8 x 1)" in str(plan)
+    assert trainer.compiles == 1  # the whole batch without remat: remat never compiled
+    reference = full_batch_reference(
+        make_loss(None), optax.adam(1e-2), init_params(jax.random.key(0)), batches
+    )
+    assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_a_second_run_takes_the_choice_from_the_plan_cache_and_compiles_no_size(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    first, first_plan, _ = train(SMALL, token_batches(1), plan_cache=cache)
+    second, second_plan, _ = train(SMALL, token_batches(1), plan_cache=cache)
+    assert first.compiles >= 3
+    assert second.compiles == 1  # the chosen size's program, to run it; nothing searched
+    assert [t.decided_by for t in second.search_log] == ["plan cache"]
+    assert second_plan.micro_batch_size == first_plan.micro_batch_size
+    assert "full" in second_plan.remat and "none nothing fits" in second_plan.remat
+
+
+def test_when_no_policy_fits_the_error_names_them():
+    with pytest.raises(ja.NothingFitsError, match=r"not under any remat policy \(none, full\)"):
+        train(100_000, token_batches(1), plan_cache=False)
