@@ -7,6 +7,7 @@ names a file under its ``tmp_path``.
 
 import logging
 import os
+import signal
 
 import jax
 import pytest
@@ -16,6 +17,13 @@ import pytest
 os.environ["JAX_ADAPTIVE_PLAN_CACHE"] = "off"
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Ctrl-C is a KeyboardInterrupt in every test, as at a terminal: a process started as a
+# shell's background job (`.ci/run &`, nohup) inherits SIGINT ignored, and Python then
+# never raises it (the Ctrl-C tests of test_fit.py hung for ever: issue 37's rare hang).
+# The tests' subprocesses inherit Python's handler as the default disposition.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
