@@ -48,9 +48,22 @@ def _struct(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
 
 
 def signature_of(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What a compiled step is specific to: the tree, the shapes and dtypes."""
+    """What a compiled step is specific to: the tree, the shapes and dtypes, the shardings.
+
+    A sharding counts where it spans several devices: a user's step may hand back its
+    state split otherwise than it came in (XLA chooses the outputs' shardings), and the
+    executable compiled for the old ones refuses the new; ``jax.jit`` compiles again, and
+    so does this (measured on 8 CPU devices: an SGD step's biases came back split over
+    ``data``).
+    """
     leaves, treedef = jax.tree.flatten(args)
-    return treedef, tuple((np.shape(x), str(jax.typeof(x).dtype)) for x in leaves)
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x: Any) -> tuple[Any, ...]:
+    shape = (np.shape(x), str(jax.typeof(x).dtype))
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    return shape if sharding is None or len(sharding.device_set) == 1 else (*shape, sharding)
 
 
 class AdaptiveStep:
