@@ -11,9 +11,9 @@ independent reference on one device:
   memory limit the replicated state does not fit at micro-batch 1 (`NothingFitsError`)
   and the sharded state fits at a micro-batch that does not divide T = 47, against the
   same step written with ``nnx.value_and_grad`` under plain ``nnx.jit`` on one device.
-  Calls 2 and 3 run out of memory, injected: the gradient's run (the plan shrinks) and
-  the update's run (`OptimizerStepOutOfMemory`; the objects as they were, then the call
-  again);
+  Calls 2, 3 and 4 run out of memory, injected: the gradient's run (run again: the size
+  ran before), the update's run (`OptimizerStepOutOfMemory`; the objects as they were,
+  then the call again), the gradient's run and its retry (the plan shrinks);
 - ``evaluator``: `Evaluator` on the sharded parameters, per-sequence loss and token count;
 - ``own_step``: `AdaptiveStep` around a user's jitted SGD step on the sharded parameters
   (``micro_batch_grad`` of the per-sequence summed loss), 3 calls.
@@ -195,8 +195,10 @@ def nnx_step(mesh, batches):
         plans, fired, sizes = [], [], []
         faults = Faults(runs=set())
         for call, batch in enumerate(batches, 1):
-            if call == 2:  # the gradient's first run at the planned size
+            if call == 2:  # the gradient's first run at the planned size: run again
                 step.fault_hook = faults = Faults(runs={1})
+            if call == 4:  # the gradient's run and its retry: the plan shrinks
+                step.fault_hook = faults = Faults(runs={1, 2})
             if call == 3:  # the update's run (the gradient's comes first)
                 step.fault_hook = faults = Faults(runs={2})
                 values = everything(trained)
@@ -208,7 +210,7 @@ def nnx_step(mesh, batches):
                 fired += faults.fired
                 step.fault_hook = None
             step(*trained, batch)
-            fired += faults.fired if call == 2 else []
+            fired += faults.fired if call in (2, 4) else []
             step.fault_hook = None
             plans.append(str(step.plan_info))
             sizes.append(step.micro_batch_size)
