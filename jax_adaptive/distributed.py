@@ -310,6 +310,43 @@ def collective_counts(compiled: Any) -> dict[str, int]:
     return {op: len(re.findall(rf"= [^\n]*? {op}(?:-start)?\(", text)) for op in COLLECTIVES}
 
 
+def spec_axes(specs: Any) -> list[str]:
+    """The mesh axes a pytree of ``PartitionSpec`` s splits over, in the order first named.
+
+    Examples:
+        >>> spec_axes({"w": PartitionSpec(None, "data"), "b": PartitionSpec(("data", "model"))})
+        ['data', 'model']
+    """
+    axes: dict[str, None] = {}
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+        for entry in spec if isinstance(spec, PartitionSpec) else ():
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if isinstance(axis, str):
+                    axes[axis] = None
+    return list(axes)
+
+
+def describe_sharding(tree: Any) -> str | None:
+    """How the arrays of ``tree`` (a step's state) lie over devices, in a few words.
+
+    ``"state sharded over data"`` when some split over the mesh axis ``data``, ``"state
+    replicated over 8 devices"`` when each lies whole on every device; None when they all
+    lie on one device.
+
+    Examples:
+        >>> describe_sharding({"b": jax.numpy.zeros(2)}) is None
+        True
+    """
+    shardings = [x.sharding for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    spread = [s for s in shardings if len(s.device_set) > 1]
+    if not spread:
+        return None
+    axes = spec_axes([s.spec for s in spread if isinstance(s, NamedSharding)])
+    if axes and not all(s.is_fully_replicated for s in spread):
+        return f"state sharded over {', '.join(axes)}"
+    return f"state replicated over {len(spread[0].device_set)} devices"
+
+
 def checked_spec(spec: Any, shape: tuple[int, ...], mesh: Mesh, where: str = "spec") -> Any:
     """``spec`` as a ``PartitionSpec``, if it can split an array of ``shape`` over ``mesh``.
 
@@ -462,6 +499,30 @@ class Placement:
             params,
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
+
+    def describe(self) -> str | None:
+        """The sharding of the train state, in a few words (a plan's); None without a mesh.
+
+        Examples:
+            >>> mesh = data_mesh()
+            >>> Placement(mesh=mesh, param_sharding={"w": PartitionSpec("data")}).describe()
+            'state sharded over data (FSDP)'
+            >>> Placement(mesh=mesh, opt_state_sharding={"w": PartitionSpec("data")}).describe()
+            'optimizer state sharded over data (ZeRO-1)'
+        """
+        if self.mesh is None:
+            return None
+        params, moments = spec_axes(self.param_sharding), spec_axes(self.opt_state_sharding)
+        if not params and not moments:
+            return f"state replicated over {self.mesh.size} devices"
+        if params and moments:
+            return f"parameters sharded over {', '.join(params)}, optimizer state over " + (
+                ", ".join(moments)
+            )
+        axes = params or moments
+        named = "state" if params else "optimizer state"
+        label = ("FSDP" if params else "ZeRO-1") if self.data_axis in axes else None
+        return f"{named} sharded over {', '.join(axes)}" + (f" ({label})" if label else "")
 
     def share(self, T: int) -> int:
         """The rows of a batch of ``T`` this process passes: ``T / processes``."""

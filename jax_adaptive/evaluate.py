@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_adaptive import checks
 from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
-from jax_adaptive.distributed import local_copy, process_means
+from jax_adaptive.distributed import local_copy, process_means, replicated
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import least_padding_size
@@ -37,6 +37,19 @@ _Mode = Literal["evaluate", "predict"]
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+
+
+def _batch_sharding(params: Any, device: jax.Device) -> jax.sharding.Sharding:
+    """Where the batches go: on ``device``, or whole on every device of sharded ``params``.
+
+    One program's arguments live on one set of devices: a batch on one device beside
+    parameters split over a mesh is refused (``Received incompatible devices``).
+    """
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+            return replicated(sharding.mesh)
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 def _masked(value: jax.Array, mask: jax.Array) -> jax.Array:
@@ -189,9 +202,9 @@ class Evaluator:
         hi = reach if not examples.exhausted else examples.buffered
         if self.max_batch_size is not None:
             hi = min(hi, self.max_batch_size)
-        device = self.sizing.device
+        where = _batch_sharding(params, self.sizing.device)
         params = jax.tree.map(
-            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, device), params
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, where), params
         )
         self._bind(mode, params, examples.first, resident, hi)
         size = self._take(self._plan(hi), examples)
@@ -246,7 +259,7 @@ class Evaluator:
 
     def _sized(self, mode: _Mode, params: Any, example: Any, resident_bytes: int) -> Sized:
         """What the engine needs of the ``mode`` program for these shapes."""
-        sharding = jax.sharding.SingleDeviceSharding(self.sizing.device)
+        sharding = _batch_sharding(params, self.sizing.device)
 
         def structs(size: int) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
             batch = jax.tree.map(

@@ -164,6 +164,17 @@ class AdaptiveNnxStep:
         for programs in self._programs.values():
             programs.gradient.fault_hook = hook
 
+    def set_memory_limit(self, memory_limit: int | None) -> None:
+        """Changes the cap mid-training, as `jax_adaptive.AdaptiveTrainer`'s does.
+
+        The gradient re-plans at the next call (what it measured is kept); the update
+        decides again whether it must donate the state.
+        """
+        self.step_kwargs["memory_limit"] = memory_limit
+        for programs in self._programs.values():
+            programs.gradient.set_memory_limit(memory_limit)
+            programs.updates.clear()
+
     def __call__(self, *args: Any) -> Any:
         """Runs the step on ``args``, its NNX objects updated in place; what it returns.
 

@@ -135,6 +135,9 @@ class Plan(NamedTuple):
             device, or not measured yet); the words say them when there are any.
         remat: the remat policy chosen and each policy's plan, in words
             (`jax_adaptive.remat.RematChoice`); None when the model offers no choice.
+        sharding: the state's sharding the plan assumed, in a few words (``"state
+            sharded over data (FSDP)"``, ``"state replicated over 8 devices"``); None on
+            one device.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -155,6 +158,7 @@ the optimizer step in the last program
     found: tuple[int, ...] | None = None
     collectives: Collectives | None = None
     remat: str | None = None
+    sharding: str | None = None
 
     def bound(self) -> str | None:
         """Which process bound the plan and how much further the others could have gone.
@@ -199,6 +203,8 @@ the optimizer step in the last program
         if self.fused is not None:
             where = "in the last program" if self.fused else "apart"
             words.append(f"the optimizer step {where}")
+        if self.sharding is not None:
+            words.append(self.sharding)
         if self.collectives is not None and (said := self.collectives.describe(k)):
             words.append(said)
         return ", ".join(words)

@@ -232,7 +232,7 @@ class AdaptiveTrainer:
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` of the next update (``print`` it for the plan in words)."""
         self._sync_target()
-        plan = self._planner.plan
+        plan = self._planner.plan._replace(sharding=self.placement.describe())
         return plan if self._remat is None else plan._replace(remat=str(self._remat))
 
     @property

@@ -148,6 +148,7 @@ def nnx_trainer():
         "kernel_specs": [spec(model.l1.kernel[...]), spec(model.l2.kernel[...])],
         "steps": plan.accumulation_steps,
         "micro_step": dict(plan.collectives.micro_step),
+        "plan": str(plan),
     }
 
 

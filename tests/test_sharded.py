@@ -83,6 +83,27 @@ def test_the_plan_states_the_collectives_it_costs(result):
     assert zero1["per_update"]["all-gather"] > 0  # the updated parameters, once per update
 
 
+def test_the_plan_states_the_sharding_it_assumed(result):
+    said = {
+        "replicated": "state replicated over 8 devices",
+        "fsdp": "state sharded over data (FSDP)",
+        "zero1": "optimizer state sharded over data (ZeRO-1)",
+        "nnx": "state sharded over data (FSDP)",  # from the model's annotations
+    }
+    for mode, words in said.items():
+        assert f", {words}, " in result[mode]["plan"], (mode, result[mode]["plan"])
+
+
+def test_a_plan_on_one_device_says_no_sharding():
+    from jax_adaptive.memory import Ledger
+    from jax_adaptive.plan import Plan
+
+    plan = Plan(24, 5, Ledger(1, 2, 3), None, 1)
+    assert "sharded" not in str(plan) and "replicated" not in str(plan)
+    sharded = str(plan._replace(sharding="state sharded over data (FSDP)"))
+    assert sharded.endswith("1 micro-step per dispatch, state sharded over data (FSDP)")
+
+
 def test_a_sharding_that_cannot_hold_is_one_line(result):
     divide, axis = result["errors"]["divide"], result["errors"]["axis"]
     assert divide == (
