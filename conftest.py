@@ -41,10 +41,12 @@ def pytest_sessionfinish(session):
 # by test count, most first, which put the modules of a few long tests (subprocesses that
 # import JAX and compile: 1 test of 55 s, 3 of 20-32 s) last. With `--no-loadscope-reorder`
 # (pyproject) the workers take modules in the order collected, which the hook below makes:
-# these first, in this order, then the rest by test count. test_train_cli.py took 581 s of
-# `-n0` time alone (2 loaded cores), more than any other module: it goes first.
+# these first, in this order, then the rest by test count. The command line's tests took
+# 581 s of `-n0` time (2 loaded cores), more than any other module: they are two modules of
+# about 300 s and 270 s, each on a worker of its own from the start.
 _LONG_FIRST = (
     "tests/test_train_cli.py",
+    "tests/test_train_cli_resume.py",
     "tests/test_hosts.py",
     "tests/test_real_oom.py",
     "tests/test_gpu_validation.py",
