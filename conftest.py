@@ -15,6 +15,7 @@
 import os
 import shutil
 import tempfile
+from collections import Counter
 
 os.environ["JAX_ADAPTIVE_PLAN_CACHE"] = "off"
 
@@ -32,3 +33,39 @@ def pytest_sessionfinish(session):
     """Removes the session's compilation cache once every worker is done with it."""
     if _COMPILE_CACHE is not None and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+
+
+# The order xdist's workers take modules in (each module runs on one worker, `--dist
+# loadscope`): the longest first, so that the last modules handed out are short ones and
+# neither worker idles while the other finishes a long module alone. xdist's own order is
+# by test count, most first, which put the modules of a few long tests (subprocesses that
+# import JAX and compile: 1 test of 55 s, 3 of 20-32 s) last. With `--no-loadscope-reorder`
+# (pyproject) the workers take modules in the order collected, which the hook below makes:
+# these first, in this order, then the rest by test count. The command line's tests took
+# 581 s of `-n0` time (2 loaded cores), more than any other module: they are two modules of
+# about 300 s and 270 s, each on a worker of its own from the start.
+_LONG_FIRST = (
+    "tests/test_train_cli.py",
+    "tests/test_train_cli_resume.py",
+    "tests/test_hosts.py",
+    "tests/test_real_oom.py",
+    "tests/test_gpu_validation.py",
+    "tests/test_data_parallel.py",
+    "tests/test_sharded.py",
+    "tests/test_one_reduction.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Orders modules for the xdist workers (only there: a plain run keeps pytest's order)."""
+    if not hasattr(config, "workerinput"):
+        return
+    module = {id(item): item.nodeid.split("::")[0] for item in items}
+    count = Counter(module.values())
+
+    def rank(item):
+        name = module[id(item)]
+        first = _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+        return first, -count[name]
+
+    items.sort(key=rank)  # stable: a module's tests keep their order

@@ -84,3 +84,16 @@ def load_example(name):
     sys.modules[name] = module  # its classes' module, as an import would set it
     spec.loader.exec_module(module)
     return module
+
+
+def cli_command(*flags):
+    """``python -m jax_adaptive.train`` with ``flags``, no progress bar."""
+    return [sys.executable, "-m", "jax_adaptive.train", "--no-progress", *map(str, flags)]
+
+
+def checkpointed_params(workdir, update):
+    """The parameters the command line checkpointed in ``workdir`` after ``update``."""
+    import orbax.checkpoint as ocp
+
+    restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(update) / "state")
+    return restored["state"]["params"]

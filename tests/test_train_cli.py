@@ -7,7 +7,6 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,8 +14,8 @@ import traceback
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+from helpers import checkpointed_params, cli_command
 
 from jax_adaptive.cli import images
 from jax_adaptive.cli.config import check_config
@@ -119,19 +118,6 @@ def test_bad_flags_give_one_line_errors(capsys):
     assert "is 1.5 bytes, not a whole number" in capsys.readouterr().err
 
 
-def test_metrics_hold_one_line_per_update_after_a_resume(tmp_path):
-    flags = ["--model", "mlp", "--target-batch-size", "8", "--checkpoint-every", "2"]
-    flags += ["--no-progress", "--no-plan-cache", "--eval-every", "0", "--workdir", str(tmp_path)]
-    assert main([*flags, "--updates", "5"]) == 0
-    # Killed after update 5's line but before its checkpoint: the resumed run redoes 5.
-    shutil.rmtree(tmp_path / "checkpoints" / "5")
-    with open(tmp_path / "metrics.jsonl", "a") as metrics:
-        metrics.write('{"update": 6, "lo')  # and half a line of a later one
-    assert main([*flags, "--updates", "7", "--resume"]) == 0
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [line["update"] for line in lines] == [1, 2, 3, 4, 5, 6, 7]
-
-
 def test_the_report_skips_trials_without_a_numeric_estimate(tmp_path):
     train(TrainConfig(model="mlp", target_batch_size=8, updates=1, progress=False,
                       plan_cache=False, workdir=str(tmp_path)), out=io.StringIO())  # fmt: skip
@@ -145,19 +131,6 @@ def test_the_report_skips_trials_without_a_numeric_estimate(tmp_path):
     assert [p.name for p in write_report(tmp_path)] == ["search_trace.png", "loss.png"]
     (tmp_path / "plan.json").write_text("[1, 2")
     assert report_main([str(tmp_path)]) == 2  # a damaged plan.json: one line, no traceback
-
-
-def test_a_second_run_takes_its_plan_from_the_cache(tmp_path, capsys):
-    flags = ["--target-batch-size", "512", "--memory-limit", "8MB", "--updates", "1"]
-    flags += ["--plan-cache", str(tmp_path / "plans.json"), "--eval-every", "0"]
-    plans = []
-    for _ in range(2):
-        assert main(flags) == 0
-        plans.append(capsys.readouterr().out.splitlines()[0])
-    assert "from the plan cache" not in plans[0] and not plans[0].split("; ")[1].startswith("0 ")
-    assert plans[1].startswith(plans[0].split(";")[0])  # the same micro-batch and steps
-    assert "; 0 sizes compiled" in plans[1]
-    assert f"(from the plan cache {tmp_path / 'plans.json'}; " in plans[1]  # where it came from
 
 
 def _compiled_programs(run):
@@ -292,47 +265,6 @@ def test_the_reports_labels_of_points_on_one_another_are_moved_apart(tmp_path):
         plt.close(figure)
 
 
-def _cli(*flags):
-    return [sys.executable, "-m", "jax_adaptive.train", "--no-progress", *map(str, flags)]
-
-
-def _final_params(workdir, update):
-    restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(update) / "state")
-    return restored["state"]["params"]
-
-
-def test_sigkill_then_resume_gives_the_uninterrupted_parameters(tmp_path):
-    flags = ["--target-batch-size", "64", "--memory-limit", "3MB", "--updates", "12"]
-    flags += ["--checkpoint-every", "2", "--eval-every", "0"]
-    # The three runs share a plan cache and a compilation cache, as runs of one job on
-    # one machine do: the later two start in seconds.
-    flags += ["--plan-cache", tmp_path / "plans.json", "--compilation-cache", tmp_path / "xla"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_cli(*flags, "--workdir", whole), check=True, timeout=300,
-                   capture_output=True)  # fmt: skip
-    proc = subprocess.Popen(_cli(*flags, "--workdir", killed), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        steps = [p.name for p in (killed / "checkpoints").glob("*") if p.name.isdigit()]
-        if any(int(s) >= 4 for s in steps):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run must be killed mid-way"
-    done = (killed / "metrics.jsonl").read_text().splitlines()
-    assert 4 <= len(done) < 12
-    resumed = subprocess.run(_cli(*flags, "--workdir", killed, "--resume"), check=True,
-                             timeout=300, capture_output=True, text=True)  # fmt: skip
-    assert "resumed at update" in resumed.stdout.splitlines()[0]
-    a, b = _final_params(whole, 12), _final_params(killed, 12)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-    (plan,) = json.loads((killed / "plan.json").read_text())["plans"]
-    assert 1 <= plan["micro_batch_size"] < 64
-
-
 _MOCKED = """
 import sys
 import tensorflow_datasets as tfds
@@ -342,7 +274,7 @@ with tfds.testing.mock_data(num_examples=96, policy=tfds.testing.MockPolicy.USE_
 """
 
 
-def test_a_mocked_tfds_dataset_trains_from_the_cli(tmp_path):
+def test_a_mocked_tfds_dataset_trains_from_thecli_command(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", _MOCKED, "--dataset", "tfds:mnist", "--model", "mlp",
          "--target-batch-size", "32", "--epochs", "2", "--no-progress",
@@ -391,54 +323,6 @@ def test_a_workdir_of_another_run_is_refused(tmp_path, capsys):
     assert "of another training: --seed 0 there, 1 now. Resume" in capsys.readouterr().err
 
 
-def test_the_gpt_trains_on_mixed_lengths_with_a_token_budget(tmp_path, capsys):
-    flags = ["--model", "gpt", "--max-length", "64", "--target-tokens", "512", "--updates", "10"]
-    flags += ["--memory-limit", "4MB", "--learning-rate", "1e-2", "--no-plan-cache"]
-    assert main([*flags, "--no-progress", "--workdir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    planned = [line for line in out if line.startswith("bucket ")]
-    assert len(planned) >= 2, out  # several buckets, each planned on its first use
-    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 10 and len({m["bucket"] for m in metrics}) >= 2
-    for m in metrics:  # a budget of padded tokens, of which the real ones are most
-        assert m["padded_tokens"] == 512 and 0 < m["tokens"] < 512
-        assert m["micro_batch_size"] < 512 // m["bucket"]  # 4MB makes every bucket shrink
-    assert metrics[-1]["loss"] < 0.85 * metrics[0]["loss"], "the loss must visibly fall"
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert {b["bucket"] for b in plan["plans"]} == {m["bucket"] for m in metrics}
-    assert out[-1].startswith("summary: ") and "padding" in out[-1]
-
-
-def test_a_resumed_gpt_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path, capsys):
-    flags = ["--model", "gpt", "--max-length", "64", "--target-tokens", "512"]
-    flags += ["--no-simulated-device", "--checkpoint-every", "2", "--no-progress"]
-    flags += ["--no-plan-cache", "--learning-rate", "1e-2"]
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    assert main([*flags, "--updates", "5", "--workdir", str(whole)]) == 0
-    assert main([*flags, "--updates", "3", "--workdir", str(part)]) == 0
-    # Killed after update 3's line but before its checkpoint: the resumed run redoes 3.
-    shutil.rmtree(part / "checkpoints" / "3")
-    capsys.readouterr()
-    assert main([*flags, "--updates", "5", "--workdir", str(part), "--resume"]) == 0
-    resumed = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resumed"))
-    read = int(resumed.split("(")[1].split()[0])
-    lines = {}
-    for run in (whole, part):
-        lines[run] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    # Sequences waited in partly filled buckets at the checkpoint (read, not trained on),
-    # and a bucket first filled after it trains on some of them.
-    assert resumed.startswith("resumed at update 2 ") and read > 2 * 512 // 64, resumed
-    first_two = {m["bucket"] for m in lines[whole][:2]}
-    assert {m["bucket"] for m in lines[whole][2:]} - first_two, lines[whole]
-    assert [m["update"] for m in lines[part]] == [1, 2, 3, 4, 5]
-    for a, b in zip(lines[whole], lines[part], strict=True):
-        assert (a["bucket"], a["tokens"]) == (b["bucket"], b["tokens"])
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-    a, b = _final_params(whole, 5), _final_params(part, 5)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-
-
 def test_a_gpt_checkpoint_of_another_stream_is_refused():
     sequences = synthetic_sequences(vocab_size=64, max_length=64, seed=0)
     sizes = {16: 32, 32: 16, 64: 8}
@@ -459,8 +343,8 @@ def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_pat
     workdir += ["--plan-cache", tmp_path / "plans.json"]  # the resumed run searches no more
     workdir += ["--compilation-cache", tmp_path / "xla"]  # nor compiles again
     runs = [
-        subprocess.run(_cli(*flags, *workdir, *more), env=env, capture_output=True, text=True,
-                       timeout=300, check=True).stdout
+        subprocess.run(cli_command(*flags, *workdir, *more), env=env, capture_output=True,
+                       text=True, timeout=300, check=True).stdout
         for more in (["--updates", "2"], ["--updates", "3", "--resume"])
     ]  # fmt: skip
     assert main([*flags, "--updates", "3", "--no-progress", "--no-plan-cache"]) == 0
@@ -524,7 +408,7 @@ def test_held_out_split_of_a_mocked_tfds_dataset_is_evaluated(tmp_path):
     assert f"held-out loss {evaluated[-1]['eval_loss']:.4f}" in summary
 
 
-def test_a_users_own_model_trains_and_evaluates_from_the_cli(tmp_path, capsys):
+def test_a_users_own_model_trains_and_evaluates_from_thecli_command(tmp_path, capsys):
     # tests/user_model.py: a linen CNN written as the Flax examples write one, and a
     # per-example cross-entropy (the tests folder is on sys.path, as a user's package is)
     flags = ["--model", "user_model:make_model", "--updates", "8", "--eval-every", "4"]
@@ -539,7 +423,7 @@ def test_a_users_own_model_trains_and_evaluates_from_the_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "plan.json").read_text())["config"]["model"] == flags[1]
 
 
-def test_a_users_nnx_model_trains_evaluates_and_checkpoints_from_the_cli(tmp_path, capsys):
+def test_a_users_nnx_model_trains_evaluates_and_checkpoints_from_thecli_command(tmp_path, capsys):
     """Issue 40: --model took linen modules only. tests/user_model.py's NnxCNN is written as
     the Flax NNX MNIST tutorial writes one: BatchNorm, and a Dropout taking rngs at call."""
     flags = ["--model", "user_model:make_nnx_model", "--target-batch-size", "64"]
@@ -858,27 +742,9 @@ def test_a_stopped_run_checkpoints_its_last_update_and_resumes_as_if_uninterrupt
     assert main([*flags, "--updates", "6", "--workdir", str(stopped), "--resume"]) == 0
     assert "resumed at update 3" in capsys.readouterr().out
     assert [m["update"] for m in _metrics(stopped)] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(jax.tree.leaves(_final_params(whole, 6)),
-                    jax.tree.leaves(_final_params(stopped, 6)), strict=True):  # fmt: skip
+    for a, b in zip(jax.tree.leaves(checkpointed_params(whole, 6)),
+                    jax.tree.leaves(checkpointed_params(stopped, 6)), strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-def test_resume_refuses_another_training_and_takes_another_plan(tmp_path, capsys):
-    """Issue 32, fault 12: the ghost batch is the run's; a plan may differ."""
-    flags = ["--model", "resnet-tiny", "--target-batch-size", "64", "--eval-every", "0",
-             "--no-progress", "--no-plan-cache", "--workdir", str(tmp_path)]  # fmt: skip
-    assert main([*flags, "--updates", "1", "--micro-batch-size", "32"]) == 0  # ghost 32
-    capsys.readouterr()
-    assert main([*flags, "--updates", "2", "--resume", "--ghost-batch-size", "16"]) == 2
-    out, err = capsys.readouterr()  # another ghost batch: refused before anything is built
-    assert out == "" and err.count("\n") == 1, (out, err)
-    assert "--ghost-batch-size 32 there, 16 now" in err, err
-    assert main([*flags, "--updates", "2", "--resume", "--learning-rate", "0.1"]) == 2
-    assert "--learning-rate 0.003 there, 0.1 now" in capsys.readouterr().err
-    # Auto, another objective, no simulated device: another plan, the same ghost batch.
-    more = ["--resume", "--objective", "max", "--no-simulated-device"]
-    assert main([*flags, "--updates", "2", *more]) == 0
-    assert "resumed at update 1" in capsys.readouterr().out
 
 
 def test_a_micro_batch_without_whole_ghost_batches_is_refused(capsys):
@@ -956,7 +822,7 @@ _SMALL += ["--eval-every", "0"]
 def test_a_held_workdir_is_refused_at_once_while_the_run_holding_it_completes(tmp_path, capsys):
     workdir = tmp_path / "run"
     holder = subprocess.Popen(
-        _cli(*_SMALL, "--updates", "40", "--workdir", workdir),
+        cli_command(*_SMALL, "--updates", "40", "--workdir", workdir),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
