@@ -4,10 +4,10 @@
 ``python data_parallel_job.py process ID PORT OUT.json`` is one of two ``jax.distributed``
 processes on localhost (2 CPU devices each, gloo collectives) passing global batches;
 ``local ID PORT OUT.json`` one of two with 4 devices each, each reading only its own
-rows. Each writes its figures and the final parameters next to an independent
-single-device reference (plain optax, one full-batch step per update) for the test to
-compare. The device count is set before
-JAX starts, which is why these run apart from the test process (DESIGN.md).
+rows, replicated and then FSDP-sharded over both processes' devices. Each writes its
+figures and the final parameters next to an independent single-device reference (plain
+optax, one full-batch step per update) for the test to compare. The device count is set
+before JAX starts, which is why these run apart from the test process (DESIGN.md).
 """
 
 import os
@@ -213,10 +213,48 @@ def local_job(process_id, port, out):
         "params": host(state.params),
         "reference": host(reference(params, batches)),
         "devices": jax.device_count(),
+        "sharded": sharded_local(params, batches, process_id),
     }
     with open(out, "w") as f:
         json.dump(run, f)
     jax.distributed.shutdown()
+
+
+def sharded_local(params, batches, process_id):
+    """FSDP over both processes' 8 devices, each passing only its own rows to `step`.
+
+    The parameters and Adam's moments are split over the data axis, which spans the two
+    processes (each holds half of every leaf); 24 x 5 for T = 100, 12 rows a process per
+    micro-step, which do not divide its 50.
+    """
+    from jax.experimental import multihost_utils
+
+    import jax_adaptive as ja
+
+    share = T // 2
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, OPTIMIZER, target_batch_size=T, micro_batch_size=24, plan_cache=False,
+        mesh=ja.data_mesh(), param_sharding={"w1": P(None, "data"), "b1": P("data"),
+                                             "w2": P("data")},
+    )  # fmt: skip
+    own = [{k: v[process_id * share : (process_id + 1) * share] for k, v in b.items()}
+           for b in batches]  # fmt: skip
+    state = trainer.init(params, own[0])
+    for batch in own:
+        state, _ = trainer.step(state, batch)
+    mu = state.opt_state.inner_opt_state[0].mu
+    whole = multihost_utils.process_allgather(state.params, tiled=True)
+    return {
+        "params": host(whole),
+        "specs": {k: str(v.sharding.spec) for k, v in state.params.items()},
+        "mu_specs": {k: str(v.sharding.spec) for k, v in mu.items()},
+        # What this process holds of w1: half of it, on its 4 devices.
+        "w1_local": sum(s.data.size for s in state.params["w1"].addressable_shards),
+        "w1_size": int(state.params["w1"].size),
+        "steps": trainer.plan_info.accumulation_steps,
+        "process_batch_size": trainer.process_batch_size,
+        "plan": str(trainer.plan_info),
+    }
 
 
 def buckets_job(process_id, port, out):

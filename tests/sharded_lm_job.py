@@ -14,6 +14,10 @@ independent reference on one device:
   Calls 2, 3 and 4 run out of memory, injected: the gradient's run (run again: the size
   ran before), the update's run (`OptimizerStepOutOfMemory`; the objects as they were,
   then the call again), the gradient's run and its retry (the plan shrinks);
+- ``nnx_trainer``: `NnxTrainer` with the mesh and no ``param_sharding`` (the annotations
+  taken) on a fresh model, 3 updates at 16 x 3 (the plan's micro-batch must be a multiple
+  of the 8 data shards) with the token count as its ``normalizer``, against the NNX
+  step's reference after 3 calls;
 - ``evaluator``: `Evaluator` on the sharded parameters, per-sequence loss and token count;
 - ``own_step``: `AdaptiveStep` around a user's jitted SGD step on the sharded parameters
   (``micro_batch_grad`` of the per-sequence summed loss), 3 calls.
@@ -220,10 +224,41 @@ def nnx_step(mesh, batches):
     for call, batch in enumerate(batches, 1):  # outside the mesh: on one device
         nnx.jit(plain_step)(*reference, jax.device_put(batch, jax.devices()[0]))
         if call == 3:
-            result["difference_3"] = largest_difference(after_3, params_of(reference[0]))
+            reference_3 = params_of(reference[0])
+            result["difference_3"] = largest_difference(after_3, reference_3)
     result["difference"] = largest_difference(params_of(model), params_of(reference[0]))
     result.update(plans=plans, sizes=sizes, fired=fired, T=T)
-    return result, model
+    return result, model, reference_3
+
+
+def nnx_trainer(mesh, batches, reference_3):
+    """`NnxTrainer` on a fresh sharded model (its annotations taken), 3 updates at 16 x 3.
+
+    ``reference_3``: the parameters of the same model after 3 plain full-batch ``nnx.jit``
+    steps on one device (`nnx_step`'s reference), which this run must equal.
+    """
+    with jax.set_mesh(mesh):
+        model = create()
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, batch, rng):  # each sequence's summed loss; the normalizer divides
+        return sequence_loss(nnx.merge(graphdef, params, rest), batch)[0]
+
+    trainer = ja.NnxTrainer(
+        model, OPTIMIZER, target_batch_size=T, loss_fn=loss, micro_batch_size=16,
+        normalizer=lm.count_tokens, mesh=mesh, plan_cache=False,
+    )  # fmt: skip
+    with jax.set_mesh(mesh):
+        for batch in batches:
+            trainer.step(batch)
+    plan = trainer.trainer.plan_info
+    return {
+        "difference": largest_difference(params_of(model), reference_3),
+        "specs": specs(model),
+        "steps": plan.accumulation_steps,
+        "micro_batch_size": plan.micro_batch_size,
+        "plan": str(plan),
+    }
 
 
 def sequence_loss(model, batch):
@@ -303,8 +338,10 @@ def main(out):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     batches = list(lm.random_batches(CALLS, T, CONFIG, seed=0))
     result = {}
-    result["step"], model = nnx_step(mesh, batches)
+    result["step"], model, reference_3 = nnx_step(mesh, batches)
     result["seconds_step"] = time.perf_counter() - start
+    result["nnx_trainer"] = nnx_trainer(mesh, batches[:3], reference_3)
+    result["seconds_nnx_trainer"] = time.perf_counter() - start
     (data,) = lm.random_batches(1, EVAL, CONFIG, seed=1)
     result["evaluator"] = evaluator(mesh, model, data)
     result["seconds_evaluator"] = time.perf_counter() - start

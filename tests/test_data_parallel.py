@@ -148,6 +148,15 @@ def test_each_process_reads_only_its_own_rows(tmp_path):
     # A data axis of 2 shards, one per process, splits the rows; one of 4 whose every
     # shard has a device on each process does not: each passes the whole batch.
     assert first["splits"] == second["splits"] == [2, 1]
+    # FSDP over both processes' devices, each passing its own rows: exact too.
+    for run in (first, second):
+        sharded = run["sharded"]
+        want = {"w1": "P(None, 'data')", "b1": "P('data',)", "w2": "P('data',)"}
+        assert sharded["specs"] == sharded["mu_specs"] == want
+        assert sharded["w1_local"] * 2 == sharded["w1_size"]  # each process holds half
+        assert sharded["process_batch_size"] == share and sharded["steps"] == 5  # 24 x 5
+        assert "state sharded over data (FSDP)" in sharded["plan"]
+        _assert_equal(sharded["params"], first["reference"], tol=1e-5)
     # Process 0 evaluated 10 held-out rows, process 1 the other 20: the mean is over 30.
     for run in (first, second):
         assert run["evaluated"]["examples"] == 30

@@ -3,7 +3,8 @@
 The figures come from sharded_job.py, run once in a subprocess (the device count is
 fixed when JAX starts). Every trained configuration is compared with plain optax on one
 device, one full-batch step per update, after 3 updates at 5 micro-batches of 24 for a
-target of 100 (which they do not divide).
+target of 100 (which they do not divide); with BatchNorm, one step over groups of 4 in
+order (ghost batches).
 """
 
 import json
@@ -53,6 +54,17 @@ def test_nnx_trainer_shards_as_the_models_annotations_say_and_is_exact(result):
     assert nnx["steps"] == 5
     assert nnx["micro_step"]["all-gather"] > 0  # the kernels are gathered, so they were split
     assert nnx["difference"] < TOL
+
+
+def test_ghost_batches_and_batch_statistics_under_fsdp_train_as_one_device(result):
+    ghost = result["ghost"]
+    # BatchNorm over groups of 4 at 24 x 5 for T = 100 (the last micro-batch 4 real rows,
+    # 5 groups of padding that must leave the statistics alone), the kernels and the
+    # BatchNorm's scale split over data, its statistics replicated.
+    assert ghost["specs"] == ["P(None, 'data')", "P('data',)"] and ghost["stats_spec"] == "P()"
+    assert ghost["steps"] == 5 and "state sharded over data (FSDP)" in ghost["plan"]
+    assert ghost["stats_moved"] > 0.1  # the running averages did move: 75 groups
+    assert ghost["difference"] < TOL and ghost["stats_difference"] < TOL
 
 
 def test_the_ledger_counts_each_devices_share_of_the_live_state(result):

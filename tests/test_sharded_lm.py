@@ -4,8 +4,8 @@ The figures come from sharded_lm_job.py, run once in a subprocess (the device co
 fixed when JAX starts): examples/nnx_lm.py's Transformer, its kernels annotated with
 ``nnx.with_partitioning`` over ``data`` (FSDP), trained by `AdaptiveNnxStep` 5 calls at
 T = 47 (prime: no plan divides it) with injected out-of-memory errors, evaluated by
-`Evaluator` and trained by a user's own step under `AdaptiveStep`, each against an
-independent reference on one device.
+`Evaluator`, trained by `NnxTrainer` from the model's annotations and by a user's own
+step under `AdaptiveStep`, each against an independent reference on one device.
 """
 
 import json
@@ -66,6 +66,19 @@ def test_the_evaluator_on_sharded_parameters_equals_one_device(result):
     assert ev["examples"] == 37
     assert ev["loss"] == pytest.approx(ev["want_loss"], rel=TOL)
     assert ev["tokens"] == pytest.approx(ev["want_tokens"], rel=TOL)
+
+
+def test_the_nnx_trainer_takes_the_models_annotations_and_trains_as_one_device(result):
+    trainer = result["nnx_trainer"]
+    # 16 x 3 for T = 47: the last micro-batch padded, within 1e-5 of 3 plain full-batch
+    # nnx.jit steps on one device (the NNX step's reference, after its third call).
+    assert (trainer["micro_batch_size"], trainer["steps"]) == (16, 3)
+    assert trainer["specs"] == {  # sharded as the annotations say
+        "up": "P(None, None, 'data')", "query": "P(None, None, None, 'data')",
+        "embed": "P('data', None)",
+    }  # fmt: skip
+    assert "state sharded over data (FSDP)" in trainer["plan"]
+    assert trainer["difference"] < TOL
 
 
 def test_a_users_own_step_on_sharded_parameters_equals_one_device(result):
