@@ -361,7 +361,7 @@ def checked_spec(spec: Any, shape: tuple[int, ...], mesh: Mesh, where: str = "sp
         >>> checked_spec(PartitionSpec("model"), (8,), mesh, "w")
         Traceback (most recent call last):
         ...
-        ValueError: w: P('model',) names axis 'model', not in the mesh {'data': 1}.
+        ValueError: w: P('model',) names axis 'model', not in the mesh {'data': ...}.
     """
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{where}: expected a jax.sharding.PartitionSpec, got {spec!r}.")
