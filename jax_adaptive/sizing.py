@@ -32,11 +32,13 @@ from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
     device_capacity,
+    held_bytes,
     learned_capacity,
     memory_report,
     others_bytes,
     program_ledger,
     usable_capacity,
+    wait_for_release,
 )
 from jax_adaptive.plan import DecidedBy, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
@@ -61,7 +63,11 @@ if not log.handlers:  # say what the search does unless the user set up this log
 
 
 RELEASE_WAIT = 0.2
-"""Seconds a size that ran waits, after a real out-of-memory, before it runs once more."""
+"""Seconds a size that ran waits at least, after a real out-of-memory, before it runs once
+more; then on, up to `RELEASE_PATIENCE`, until the memory held (`held_bytes`) is down to
+what it was when that size last ran."""
+
+RELEASE_PATIENCE = 2.0
 
 
 class FaultHook(Protocol):
@@ -167,6 +173,8 @@ class Binding:
         self._real_ooms = 0  # real out-of-memory errors since `start`
         self._ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
         self._again = False  # a size that ran was given another run since `start`
+        self._held_at_start: int | None = None  # `held_bytes` when this call began
+        self._held_ran: dict[Hashable, int | None] = {}  # ... when each one last ran
 
     def guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one, or the learned one if lower."""
@@ -340,6 +348,7 @@ class Binding:
         """A new update, call or batch: its first real out-of-memory counts as the first."""
         self._real_ooms = 0
         self._again = False
+        self._held_at_start = held_bytes(self.engine.device)
 
     def again(self, exc: BaseException, size: int, reason: str) -> bool:
         """Whether ``size``, which ran before and now ran out of memory, runs once more.
@@ -367,9 +376,11 @@ class Binding:
         gc.collect()
         # The runtime returns released buffers on its own threads, later under a loaded
         # host: measured under RLIMIT_AS on a busy 2-core CPU, the retry failed again and
-        # shrank in 3 of 5 runs without this wait, in none of 8 with it. It costs only
-        # calls that already ran out of memory.
-        time.sleep(RELEASE_WAIT)
+        # shrank in 3 of 5 runs without a wait, and still in 1 of 3 full CI runs with a
+        # fixed 0.2 s. It waits while the memory held still falls; it costs only calls
+        # that already ran out of memory.
+        device = self.engine.device
+        wait_for_release(RELEASE_WAIT, RELEASE_PATIENCE, self._held_ran.get(size), device)
         return True
 
     def forget_learned(self) -> None:
@@ -381,6 +392,7 @@ class Binding:
         self._streak = 0
         if what is not None:
             self._ran.add(what)
+            self._held_ran[what] = self._held_at_start
 
     def has_run(self, what: Hashable) -> bool:
         """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
