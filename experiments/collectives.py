@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +93,6 @@ def program_texts(params: Any, batch: Any, target: int, micro: int) -> dict[str,
 
 def child(width: int, target: int, micro: int, updates: int) -> dict[str, Any]:
     """One design's figures for one micro-batch size (run under 8 CPU devices)."""
-    import jax
     import optax
 
     import jax_adaptive as ja
@@ -105,14 +103,9 @@ def child(width: int, target: int, micro: int, updates: int) -> dict[str, Any]:
         mlp_loss, optax.adam(1e-3), target_batch_size=target, micro_batch_size=micro,
         chunk=1, mesh=ja.data_mesh(), plan_cache=False,
     )  # fmt: skip
-    state = trainer.init(params, batches[0])
-    state, _ = trainer.step(state, batches[0])  # warm-up: first runs, host copies
-    seconds = []
-    for batch in batches[1:]:
-        start = time.perf_counter()
-        state, metrics = trainer.step(state, batch)
-        jax.block_until_ready((state.params, metrics["loss"]))
-        seconds.append(time.perf_counter() - start)
+    from common import timed_updates
+
+    _, seconds = timed_updates(trainer, trainer.init(params, batches[0]), batches)
     steps = trainer.accumulation_steps
     return {"programs": programs, "micro_steps": steps, "seconds": seconds}
 

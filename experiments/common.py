@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,18 @@ def grouped_bars(ax: Any, groups: list[str], series: dict[str, list[float]]) -> 
         ax.bar(xs, values, width, label=name)
     ax.set_xticks(range(len(groups)), groups)
     ax.legend(fontsize=8)
+
+
+def timed_updates(trainer: Any, state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
+    """The state after ``batches`` and the seconds of each update but the first.
+
+    The first update, on ``batches[0]``, is the warm-up (its first runs: compiles, copies).
+    """
+    state, _ = trainer.step(state, batches[0])
+    seconds = []
+    for batch in batches[1:]:
+        start = time.perf_counter()
+        state, metrics = trainer.step(state, batch)
+        jax.block_until_ready((state.params, metrics["loss"]))
+        seconds.append(time.perf_counter() - start)
+    return state, seconds

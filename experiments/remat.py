@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import grouped_bars, pyplot, save_figure, write_result
+from common import grouped_bars, pyplot, save_figure, timed_updates, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.remat import maybe_checkpoint
@@ -105,14 +105,7 @@ def trainer(loss: Any, T: int, limit: int | None) -> ja.AdaptiveTrainer:
 
 def seconds_per_update(t: ja.AdaptiveTrainer, state: Any, batches: list[np.ndarray]) -> float:
     """The median of the updates after the first (which compiles the update's programs)."""
-    state, _ = t.step(state, batches[0])
-    times = []
-    for batch in batches[1:]:
-        start = time.perf_counter()
-        state, metrics = t.step(state, batch)
-        jax.block_until_ready((state.params, metrics["loss"]))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_updates(t, state, batches)[1])
 
 
 def main() -> None:

@@ -81,13 +81,9 @@ def run(mode: str, params: Any, batches: list, args: argparse.Namespace) -> dict
     start = time.perf_counter()
     state = trainer.init(params, batches[0])
     plan_seconds = time.perf_counter() - start
-    state, _ = trainer.step(state, batches[0])  # warm-up: first runs, the last program
-    seconds = []
-    for batch in batches[1:]:
-        start = time.perf_counter()
-        state, metrics = trainer.step(state, batch)
-        jax.block_until_ready((state.params, metrics["loss"]))
-        seconds.append(time.perf_counter() - start)
+    from common import timed_updates
+
+    state, seconds = timed_updates(trainer, state, batches)
     plan = trainer.plan_info
     steps = plan.accumulation_steps
     return {
