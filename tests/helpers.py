@@ -97,3 +97,29 @@ def checkpointed_params(workdir, update):
 
     restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(update) / "state")
     return restored["state"]["params"]
+
+
+class FailedRuns:
+    """An `AdaptiveNnxStep`'s fault hook: an out-of-memory at the chosen runs (counted from
+    install), as XLA leaves a failed run: what it donates deleted. ``fired``: (run, size),
+    size 0 for the update's run."""
+
+    def __init__(self, step, runs):
+        self.step, self.runs, self.seen, self.fired = step, runs, 0, []
+
+    def before_compile(self, size):
+        pass
+
+    def before_execution(self, size, args):
+        self.seen += 1
+        if self.seen not in self.runs:
+            return
+        donated = getattr(args, "donated", None)
+        if donated is None:  # the gradient's run: what its compiled program donates
+            infos = jax.tree.leaves(self.step.step.compile(size).args_info[0])
+            donated = [x for x, i in zip(jax.tree.leaves(args), infos, strict=True) if i.donated]
+        for leaf in donated:
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        self.fired.append((self.seen, size))
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from helpers import load_example
+from helpers import FailedRuns, load_example
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -151,23 +151,9 @@ def specs(model):
     }
 
 
-class Faults:
-    """Out-of-memory at chosen runs (counted from install), as XLA leaves a failed run."""
-
-    def __init__(self, runs):
-        self.runs, self.seen, self.fired = runs, 0, []
-
-    def before_compile(self, size):
-        pass
-
-    def before_execution(self, size, args):
-        self.seen += 1
-        if self.seen not in self.runs:
-            return
-        for leaf in getattr(args, "donated", ()):  # the update's, when it donates
-            leaf.delete()
-        self.fired.append((self.seen, "update" if size == 0 else "gradient"))
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
+def named(fired):
+    """``FailedRuns.fired`` with each run named by its program."""
+    return [(run, "update" if size == 0 else "gradient") for run, size in fired]
 
 
 def nnx_step(mesh, batches):
@@ -197,24 +183,24 @@ def nnx_step(mesh, batches):
         trained = objects(model)
         result["before"] = specs(model)
         plans, fired, sizes = [], [], []
-        faults = Faults(runs=set())
+        faults = FailedRuns(step, runs=set())
         for call, batch in enumerate(batches, 1):
             if call == 2:  # the gradient's first run at the planned size: run again
-                step.fault_hook = faults = Faults(runs={1})
+                step.fault_hook = faults = FailedRuns(step, runs={1})
             if call == 4:  # the gradient's run and its retry: the plan shrinks
-                step.fault_hook = faults = Faults(runs={1, 2})
+                step.fault_hook = faults = FailedRuns(step, runs={1, 2})
             if call == 3:  # the update's run (the gradient's comes first)
-                step.fault_hook = faults = Faults(runs={2})
+                step.fault_hook = faults = FailedRuns(step, runs={2})
                 values = everything(trained)
                 try:
                     step(*trained, batch)
                 except ja.OptimizerStepOutOfMemory:
                     result["intact"] = largest_difference(everything(trained), values)
                     result["intact_specs"] = specs(model)
-                fired += faults.fired
+                fired += named(faults.fired)
                 step.fault_hook = None
             step(*trained, batch)
-            fired += faults.fired if call in (2, 4) else []
+            fired += named(faults.fired) if call in (2, 4) else []
             step.fault_hook = None
             plans.append(str(step.plan_info))
             sizes.append(step.micro_batch_size)

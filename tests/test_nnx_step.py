@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import load_example
+from helpers import FailedRuns, load_example
 
 import jax_adaptive as ja
 
@@ -287,30 +287,6 @@ def said():
     log.removeHandler(handler)
 
 
-class _FailedRun:
-    """An out-of-memory at chosen runs, as XLA leaves a failed run: what it donates deleted."""
-
-    def __init__(self, step, runs):
-        self.step, self.runs, self.seen, self.fired = step, runs, 0, []
-
-    def before_compile(self, size):
-        pass
-
-    def before_execution(self, size, args):
-        self.seen += 1
-        if self.seen not in self.runs:
-            return
-        donated = getattr(args, "donated", None)
-        if donated is None:  # the gradient's run: what its compiled program donates
-            infos = jax.tree.leaves(self.step.step.compile(size).args_info[0])
-            donated = [x for x, i in zip(jax.tree.leaves(args), infos, strict=True) if i.donated]
-        for leaf in donated:
-            if isinstance(leaf, jax.Array):
-                leaf.delete()
-        self.fired.append((self.seen, size))
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
-
-
 def _values(objects):
     return [np.asarray(x) for o in objects for x in jax.tree.leaves(nnx.state(o))]
 
@@ -328,7 +304,7 @@ def test_an_out_of_memory_at_a_size_that_ran_leaves_every_variable_and_trains_on
     assert plans[0].startswith("plan: micro-batch 24 x 2 micro-steps (searched")
     # the gradient's run at the size that ran twice, and its retry, then the update, run
     # out of memory
-    step.fault_hook = faults = _FailedRun(step, runs={1, 2, 4})
+    step.fault_hook = faults = FailedRuns(step, runs={1, 2, 4})
     with pytest.raises(ja.OptimizerStepOutOfMemory):
         step(model, optimizer, metrics, BATCHES[2], rngs)
     assert faults.fired[:2] == [(1, trusted), (2, trusted)] and len(faults.fired) == 3
