@@ -1,8 +1,10 @@
 """Shared test fixtures: a small model, data, and the independent full-batch reference."""
 
 import importlib.util
+import json
 import pathlib
 import socket
+import subprocess
 import sys
 
 import jax
@@ -123,3 +125,18 @@ class FailedRuns:
                 leaf.delete()
         self.fired.append((self.seen, size))
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected).")
+
+
+def job_result(job, directory, timeout):
+    """Runs ``python JOB OUT.json`` (a job script beside the tests) and reads what it wrote.
+
+    A job fixes the device count before JAX starts, so it runs in its own process; a
+    failure shows the end of its output.
+    """
+    out = pathlib.Path(directory) / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(job), str(out)], cwd=pathlib.Path(job).parent,
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text())

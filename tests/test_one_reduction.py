@@ -7,13 +7,11 @@ Before this design the micro-step all-reduced the gradient (1 all-reduce per mic
 (3 all-gathers). The figures come from one_reduction_job.py on 8 CPU devices.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import job_result
 
 JOB = Path(__file__).with_name("one_reduction_job.py")
 TOL = 2e-5
@@ -21,16 +19,7 @@ TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_reduction") / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(JOB), str(out)],
-        cwd=JOB.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(out.read_text())
+    return job_result(JOB, tmp_path_factory.mktemp("one_reduction"), timeout=300)
 
 
 def _assert_close(params, reference, tol=TOL):

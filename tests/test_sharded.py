@@ -7,12 +7,10 @@ target of 100 (which they do not divide); with BatchNorm, one step over groups o
 order (ghost batches).
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import job_result
 
 JOB = Path(__file__).with_name("sharded_job.py")
 TOL = 1e-5
@@ -20,13 +18,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded") / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(JOB), str(out)], cwd=JOB.parent, capture_output=True, text=True,
-        timeout=240, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return job_result(JOB, tmp_path_factory.mktemp("sharded"), timeout=240)
 
 
 def test_fsdp_shards_parameters_and_optimizer_state_and_is_exact(result):

@@ -8,12 +8,10 @@ T = 47 (prime: no plan divides it) with injected out-of-memory errors, evaluated
 step under `AdaptiveStep`, each against an independent reference on one device.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import job_result
 
 JOB = Path(__file__).with_name("sharded_lm_job.py")
 TOL = 1e-5
@@ -21,13 +19,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded_lm") / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(JOB), str(out)], cwd=JOB.parent, capture_output=True, text=True,
-        timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return job_result(JOB, tmp_path_factory.mktemp("sharded_lm"), timeout=600)
 
 
 def test_the_nnx_step_trains_a_sharded_lm_call_after_call_as_one_device(result):
