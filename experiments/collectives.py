@@ -125,7 +125,7 @@ def baseline_tree(commit: str, into: Path) -> Path:
 
 def run_child(path: Path, width: int, target: int, micro: int, updates: int) -> dict[str, Any]:
     """Runs `child` in a subprocess that imports ``jax_adaptive`` from ``path``."""
-    from jax_adaptive.distributed import collective_counts
+    from jax_adaptive.sharding import collective_counts
 
     env = {
         **os.environ,
@@ -204,7 +204,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from common import write_result
 
-    from jax_adaptive.distributed import COLLECTIVES
+    from jax_adaptive.sharding import COLLECTIVES
 
     write_result(
         args.out,

@@ -17,12 +17,13 @@ import numpy as np
 from jax_adaptive import checks
 from jax_adaptive.backup import Backup, backup, backup_bytes, deleted_leaves, put_back
 from jax_adaptive.data import leading_size
-from jax_adaptive.distributed import describe_sharding
 from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
+from jax_adaptive.forwarding import forwarded
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded, log
+from jax_adaptive.sharding import describe_sharding
+from jax_adaptive.sizing import Binding, Sized, Sizing, log
 
 __all__ = ["AdaptiveStep", "StepBuilder", "signature_of"]
 

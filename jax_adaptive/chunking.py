@@ -16,9 +16,8 @@ import jax
 from jax_adaptive.distributed import process_min
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.executables import Executables
-from jax_adaptive.memory import Ledger
+from jax_adaptive.memory import Executable, Ledger
 from jax_adaptive.plan import chunk_length
-from jax_adaptive.sizing import Executable
 from jax_adaptive.step import TrainState
 
 __all__ = ["SLOWER_CHUNK", "Chunking"]

@@ -15,10 +15,11 @@ from jax_adaptive import checks
 from jax_adaptive.data import ExampleQueue, MicroBatch, example_structs
 from jax_adaptive.distributed import local_copy, process_means, replicated
 from jax_adaptive.errors import catch_oom
+from jax_adaptive.forwarding import forwarded
 from jax_adaptive.memory import Ledger, tree_bytes
 from jax_adaptive.plan import least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.sizing import Binding, Sized, Sizing, forwarded
+from jax_adaptive.sizing import Binding, Sized, Sizing
 
 __all__ = ["STREAM_MAX_BATCH_SIZE", "Evaluator", "MetricFn", "TrainerEvaluations"]
 

@@ -21,10 +21,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_adaptive.data import example_structs
-from jax_adaptive.distributed import collective_counts
-from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
+from jax_adaptive.memory import Executable, Ledger, compile_measured, program_ledger, tree_bytes
 from jax_adaptive.plan import Collectives
-from jax_adaptive.sizing import Executable, Sized, Sizing, compile_measured
+from jax_adaptive.sharding import collective_counts
+from jax_adaptive.sizing import Sized, Sizing
 from jax_adaptive.step import (
     DONATED,
     MicroArgs,

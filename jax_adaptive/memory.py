@@ -11,14 +11,17 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 __all__ = [
+    "Executable",
+    "FaultHook",
     "Ledger",
     "MemoryModel",
+    "compile_measured",
     "device_bytes_in_use",
     "device_capacity",
     "estimate_peak_bytes",
@@ -32,6 +35,35 @@ __all__ = [
     "usable_capacity",
     "wait_for_release",
 ]
+
+
+class FaultHook(Protocol):
+    """What `jax_adaptive.testing.FaultInjector` implements: called before compiles and runs."""
+
+    def before_compile(self, size: int) -> None:
+        """Called before the program for ``size`` compiles."""
+
+    def before_execution(self, size: int, args: Any) -> None:
+        """Called before a program of ``size`` runs on ``args``."""
+
+
+class Executable(NamedTuple):
+    """A compiled program with XLA's memory analysis of it and what compiling cost."""
+
+    compiled: Any
+    report: dict[str, int]
+    seconds: float
+
+
+def compile_measured(
+    lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
+) -> Executable:
+    """Compiles what ``lower()`` lowers, timed, with XLA's memory report (after ``fault_hook``)."""
+    start = time.perf_counter()
+    if fault_hook is not None:
+        fault_hook.before_compile(size)
+    compiled = lower().compile()
+    return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
 
 
 def memory_report(compiled: Any) -> dict[str, int]:

@@ -24,10 +24,9 @@ from jax_adaptive.adaptive_step import AdaptiveStep, signature_of
 from jax_adaptive.backup import backup, backup_bytes, put_back
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import OptimizerStepOutOfMemory, SimulatedOutOfMemory, catch_oom
-from jax_adaptive.memory import Ledger, program_ledger, tree_bytes
+from jax_adaptive.memory import Ledger, compile_measured, program_ledger, tree_bytes
 from jax_adaptive.nnx_grad import Record, StepTrace, batch_position, tracing
 from jax_adaptive.normalizer import normalizer_problem
-from jax_adaptive.sizing import compile_measured
 
 __all__ = ["AdaptiveNnxStep"]
 

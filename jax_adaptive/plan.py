@@ -74,7 +74,7 @@ class SizeTrial(NamedTuple):
 class Collectives(NamedTuple):
     """The collective ops of an update's compiled programs, by kind (``{"all-gather": 8}``).
 
-    Counted in the programs' text (`jax_adaptive.distributed.collective_counts`): what
+    Counted in the programs' text (`jax_adaptive.sharding.collective_counts`): what
     sharded state costs in communication. A micro-step's run once per micro-step, the
     optimizer step's once per update.
 

@@ -21,9 +21,9 @@ from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
 from jax_adaptive.executables import Executables
-from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
+from jax_adaptive.memory import Executable, Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Objective, Plan, least_padding_size
-from jax_adaptive.sizing import Binding, Executable
+from jax_adaptive.sizing import Binding
 from jax_adaptive.step import TrainState
 
 __all__ = ["GrowPolicy", "Planner"]

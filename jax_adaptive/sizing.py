@@ -13,11 +13,10 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
-import operator
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 
@@ -29,12 +28,14 @@ from jax_adaptive.errors import (
     catch_oom,
 )
 from jax_adaptive.memory import (
+    Executable,
+    FaultHook,
     Ledger,
     MemoryModel,
+    compile_measured,
     device_capacity,
     held_bytes,
     learned_capacity,
-    memory_report,
     others_bytes,
     program_ledger,
     usable_capacity,
@@ -44,14 +45,7 @@ from jax_adaptive.plan import DecidedBy, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import search_max_size
 
-__all__ = [
-    "Executable",
-    "FaultHook",
-    "Sized",
-    "Sizing",
-    "compile_measured",
-    "forwarded",
-]
+__all__ = ["Binding", "Sized", "Sizing"]
 
 log = logging.getLogger("jax_adaptive")
 if not log.handlers:  # say what the search does unless the user set up this logger
@@ -68,57 +62,6 @@ more; then on, up to `RELEASE_PATIENCE`, until the memory held (`held_bytes`) is
 what it was when that size last ran."""
 
 RELEASE_PATIENCE = 2.0
-
-
-class FaultHook(Protocol):
-    """What `jax_adaptive.testing.FaultInjector` implements: called before compiles and runs."""
-
-    def before_compile(self, size: int) -> None:
-        """Called before the program for ``size`` compiles."""
-
-    def before_execution(self, size: int, args: Any) -> None:
-        """Called before a program of ``size`` runs on ``args``."""
-
-
-def forwarded(path: str, doc: str, settable: bool = False) -> property:
-    """A property of the value at the dotted ``path`` (a client's view of its engine).
-
-    ``settable``: assigning the property assigns the value there.
-
-    Examples:
-        >>> class Client:
-        ...     hook = forwarded("engine.hook", "The engine's hook.", settable=True)
-        >>> client = Client()
-        >>> client.engine = type("Engine", (), {"hook": None})()
-        >>> client.hook = print
-        >>> client.engine.hook is print
-        True
-    """
-    get = operator.attrgetter(path)
-    if not settable:
-        return property(get, doc=doc)
-    owner, _, name = path.rpartition(".")
-    return property(get, lambda self, value: setattr(operator.attrgetter(owner)(self), name, value),
-                    doc=doc)  # fmt: skip
-
-
-class Executable(NamedTuple):
-    """A compiled program with XLA's memory analysis of it and what compiling cost."""
-
-    compiled: Any
-    report: dict[str, int]
-    seconds: float
-
-
-def compile_measured(
-    lower: Callable[[], Any], fault_hook: FaultHook | None = None, size: int = 0
-) -> Executable:
-    """Compiles what ``lower()`` lowers, timed, with XLA's memory report (after ``fault_hook``)."""
-    start = time.perf_counter()
-    if fault_hook is not None:
-        fault_hook.before_compile(size)
-    compiled = lower().compile()
-    return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
 
 
 class Sized(NamedTuple):

@@ -15,6 +15,7 @@ from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Agreement, Placement, place, process_sum, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
+from jax_adaptive.forwarding import forwarded
 from jax_adaptive.loop import Kept, fit_loop
 from jax_adaptive.memory import Ledger
 from jax_adaptive.normalizer import Normalizer, example_weights
@@ -24,7 +25,7 @@ from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.read_ahead import interrupts_relayed
 from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
-from jax_adaptive.sizing import Sizing, forwarded
+from jax_adaptive.sizing import Sizing
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
 from jax_adaptive.update import Updater
 
