@@ -59,7 +59,7 @@ if not log.handlers:  # say what the search does unless the user set up this log
 RELEASE_WAIT = 0.2
 """Seconds a size that ran waits at least, after a real out-of-memory, before it runs once
 more; then on, up to `RELEASE_PATIENCE`, until the memory held (`held_bytes`) is down to
-what it was when that size last ran."""
+the least it was when that size ran."""
 
 RELEASE_PATIENCE = 2.0
 
@@ -117,7 +117,8 @@ class Binding:
         self._ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
         self._again = False  # a size that ran was given another run since `start`
         self._held_at_start: int | None = None  # `held_bytes` when this call began
-        self._held_ran: dict[Hashable, int | None] = {}  # ... when each one last ran
+        self._held_ran: dict[Hashable, int] = {}  # ... the least at which each one ran
+        self._settle_first = False  # a retry after the release ran: calls wait for it first
 
     def guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one, or the learned one if lower."""
@@ -288,10 +289,24 @@ class Binding:
     # ------------------------------------------------------------ out of memory
 
     def start(self) -> None:
-        """A new update, call or batch: its first real out-of-memory counts as the first."""
+        """A new update, call or batch: its first real out-of-memory counts as the first.
+
+        Once a size that ran failed and then ran after the release (`again`), each call
+        first waits for the memory held to come down to the least at which its size ran:
+        the runtime returns the last call's buffers on its own threads, and a call that
+        races them fails, every call (measured under RLIMIT_AS on a loaded CPU). A wait
+        that times out takes what is held then as the new level, so memory the user
+        keeps on the device costs one wait, not one per call.
+        """
         self._real_ooms = 0
         self._again = False
-        self._held_at_start = held_bytes(self.engine.device)
+        device, target = self.engine.device, self._held_ran.get(self.size)
+        if self._settle_first and target is not None:
+            wait_for_release(0.0, RELEASE_PATIENCE, target, device)
+            held = held_bytes(device)
+            if held is not None and held > target:
+                self._held_ran[self.size] = held
+        self._held_at_start = held_bytes(device)
 
     def again(self, exc: BaseException, size: int, reason: str) -> bool:
         """Whether ``size``, which ran before and now ran out of memory, runs once more.
@@ -333,9 +348,18 @@ class Binding:
     def ran(self, what: Hashable = None) -> None:
         """A run succeeded: out-of-memory errors are no longer in a row; ``what`` ran."""
         self._streak = 0
-        if what is not None:
-            self._ran.add(what)
-            self._held_ran[what] = self._held_at_start
+        if what is None:
+            return
+        self._ran.add(what)
+        if self._held_at_start is not None:
+            least = min(self._held_ran.get(what, self._held_at_start), self._held_at_start)
+            self._held_ran[what] = least
+        if self._again and not self._settle_first:
+            self._settle_first = True
+            log.info(
+                "%s: from now on a call waits for the last call's buffers to be released"
+                " (a size that ran ran out of memory until they were)", self.engine.what,
+            )  # fmt: skip
 
     def has_run(self, what: Hashable) -> bool:
         """Whether ``what`` (a size, a program's key) ran to its end in this binding."""
