@@ -49,14 +49,22 @@ def search_max_size(
     hi: int,
     multiple_of: int = 1,
     propose: Callable[[int | None, int | None], int | None] | None = None,
+    width: int = 1,
+    prepare: Callable[[list[int]], None] | None = None,
 ) -> SearchResult:
     """Finds the exact largest size in ``[lo, hi]``, a multiple of ``multiple_of``, that fits.
 
     The largest candidate is tried first (on a large device one call settles it), then
     the bracket between the largest size known to fit and the smallest known not to is
-    narrowed: by bisection, at most ``ceil(log2(n)) + 1`` calls for ``n`` candidates,
+    narrowed: by bisection, at most ``ceil(log2(n)) + 1`` rounds for ``n`` candidates,
     or by ``propose``'s guesses, taken only while bisection could still finish within
-    ``2 * ceil(log2(n + 1)) + 2`` calls (a good guesser needs two or three).
+    ``2 * ceil(log2(n + 1)) + 2`` rounds (a good guesser needs two or three).
+
+    A round asks up to ``width`` sizes, which ``prepare`` (if given) gets ready side by
+    side before they are asked (the sizing engine compiles them in parallel): with a
+    guess, its neighbours (the guess fits and the next does not: settled in one round);
+    without one, sizes that split the bracket evenly (the first round: the largest and
+    the middle, two points for a guesser's line). ``width=1`` asks one size a round.
 
     Args:
         fits: the oracle; if a size fits, every smaller one does.
@@ -66,6 +74,8 @@ def search_max_size(
         propose: ``propose(good, bad) -> size or None``, from the largest size known to
             fit and the smallest known not to (each or None); rounded down to a multiple,
             ignored outside the bracket.
+        width: the sizes asked per round, at least 1.
+        prepare: ``prepare(sizes)``, called with each round's sizes before ``fits``.
 
     Raises:
         NothingFitsError: when the smallest candidate does not fit.
@@ -77,10 +87,16 @@ def search_max_size(
         (33, 7)
         >>> search_max_size(lambda s: s <= 37, hi=64, multiple_of=8).size
         32
+        >>> rounds = []
+        >>> search_max_size(lambda s: s * 3 <= 100, hi=64, width=3, prepare=rounds.append).size
+        33
+        >>> rounds  # each round's sizes, asked side by side
+        [[21, 43, 64], [26, 32, 37], [33, 34, 35]]
     """
     _check_int("lo", lo, 1)
     _check_int("hi", hi, 1)
     _check_int("multiple_of", multiple_of, 1)
+    _check_int("width", width, 1)
     first = -(-lo // multiple_of)  # candidates are k * multiple_of for k in [first, last]
     last = hi // multiple_of
     if first > last:
@@ -106,20 +122,40 @@ def search_max_size(
         return k if good < k < bad else None
 
     # Invariant: every k <= good fits (good = first - 1: none known), every k >= bad does
-    # not (bad = last + 1: none known). A guess is taken only while the calls left in
+    # not (bad = last + 1: none known). A guess is taken only while the rounds left in
     # the budget could still finish by bisection if it narrowed the bracket by one.
     budget = 2 * (last - first + 1).bit_length() + 2
-    good, bad = first - 1, last + 1
+    good, bad, rounds = first - 1, last + 1, 0
     while bad - good > 1:
-        affordable = len(trials) + 1 + (bad - good - 2).bit_length() <= budget
+        affordable = rounds + 1 + (bad - good - 2).bit_length() <= budget
         k = proposal(good, bad) if affordable and propose is not None else None
-        if k is None:
-            # With no guess, try the largest candidate first, then bisect.
-            k = last if bad == last + 1 and good == first - 1 else (good + bad) // 2
-        if ask(k):
-            good = k
-        else:
-            bad = k
+        ks = _round(k, good, bad, first, last, width)
+        if prepare is not None and width > 1:
+            prepare([k * multiple_of for k in ks])
+        rounds += 1
+        for k in ks:  # ascending: a size that does not fit closes the bracket above it
+            if k >= bad:
+                break
+            if ask(k):
+                good = k
+            else:
+                bad = k
     if good < first:
         raise NothingFitsError(first * multiple_of, trials)
     return SearchResult(good * multiple_of, trials)
+
+
+def _round(guess: int | None, good: int, bad: int, first: int, last: int, width: int) -> list[int]:
+    """One round's candidates, ascending, strictly inside ``(good, bad)``: at most ``width``."""
+    if guess is not None:  # the guess, then its neighbours: the one above first
+        picks = [guess, guess + 1, guess - 1, guess + 2]
+    elif bad == last + 1 and good == first - 1:  # the largest first, then even splits
+        picks = [last] + [good + (bad - good) * i // width for i in range(width - 1, 0, -1)]
+    else:
+        picks = [good + (bad - good) * i // (width + 1) for i in range(width, 0, -1)]
+        picks.insert(0, picks.pop(len(picks) // 2))  # the middle first: plain bisection
+    ks: list[int] = []
+    for k in picks:
+        if good < k < bad and k not in ks and len(ks) < width:
+            ks.append(k)
+    return sorted(ks)

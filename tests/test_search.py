@@ -102,3 +102,68 @@ def test_largest_tried_first():
 def test_bad_arguments(kwargs, error):
     with pytest.raises(error):
         search_max_size(lambda s: True, **kwargs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lo=st.integers(1, 50),
+    span=st.integers(0, 5000),
+    multiple_of=st.integers(1, 16),
+    threshold=st.integers(0, 6000),
+    width=st.integers(2, 6),
+    guess_error=st.one_of(st.none(), st.integers(-300, 300)),
+)
+def test_rounds_of_several_sizes_stay_exact_and_take_fewer_rounds(
+    lo, span, multiple_of, threshold, width, guess_error
+):
+    """Each round's sizes are prepared together, then asked; the answer is brute force's.
+
+    Bounded by the one-size search's bound in rounds, and never more rounds than it needs
+    with the same proposer.
+    """
+    hi = lo + span
+    if brute_force(10**9, lo, hi, multiple_of) is None:
+        return
+    rounds, calls = [], []
+
+    def fits(size):
+        assert size in rounds[-1], "a size asked was not prepared in its round"
+        calls.append(size)
+        return size <= threshold
+
+    def prepare(sizes):
+        assert 1 <= len(sizes) <= width and sizes == sorted(set(sizes))
+        assert all(lo <= s <= hi and s % multiple_of == 0 for s in sizes)
+        rounds.append(sizes)
+
+    def propose(good, bad):
+        return None if guess_error is None else threshold + guess_error
+
+    expected = brute_force(threshold, lo, hi, multiple_of)
+    search = dict(lo=lo, hi=hi, multiple_of=multiple_of, propose=propose)
+    if expected is None:
+        with pytest.raises(NothingFitsError):
+            search_max_size(fits, width=width, prepare=prepare, **search)
+        return
+    result = search_max_size(fits, width=width, prepare=prepare, **search)
+    assert result.size == expected
+    assert len(set(calls)) == len(calls), "the same size was asked twice"
+    assert len(rounds) <= bound(lo, hi, multiple_of)
+    one_at_a_time = search_max_size(lambda s: s <= threshold, **search)
+    assert len(rounds) <= one_at_a_time.calls
+
+
+def test_a_good_proposer_settles_in_one_round():
+    """The guess and the next size side by side: the guess fits, the next does not."""
+    rounds = []
+    result = search_max_size(
+        lambda s: s <= 3071, hi=4096, propose=lambda good, bad: 3071, width=2, prepare=rounds.append
+    )
+    assert result.size == 3071
+    assert rounds == [[3071, 3072]]
+
+
+def test_without_a_guess_the_first_round_is_the_largest_and_the_middle():
+    rounds = []
+    result = search_max_size(lambda s: s <= 100, hi=4096, width=2, prepare=rounds.append)
+    assert result.size == 100 and rounds[0] == [2048, 4096]
