@@ -824,9 +824,9 @@ def spawn(name: str, smoke: bool, timeout: float, size: int | None = None) -> di
         (or None), ``error`` None when the child reported one without an error.
     """
     env_set = {**(SMOKE_ENV if smoke else {}), **CHECK_ENV.get(name, {})}
-    if not smoke and name in GPU_XLA_FLAGS:
-        flags = (os.environ.get("XLA_FLAGS", ""), GPU_XLA_FLAGS[name])
-        env_set["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    added = env_set.get("XLA_FLAGS", GPU_XLA_FLAGS.get(name, "") if not smoke else "")
+    flags = (os.environ.get("XLA_FLAGS", ""), added)  # added to the caller's flags
+    env_set["XLA_FLAGS"] = " ".join(f for f in flags if f)
     env = {**os.environ, **env_set}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]

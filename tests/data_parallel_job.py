@@ -15,7 +15,9 @@ import sys
 
 if __name__ == "__main__":
     devices = {"mesh": 8, "process": 2, "local": 4, "buckets": 2}[sys.argv[1]]
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

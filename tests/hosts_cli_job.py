@@ -11,7 +11,9 @@ process ID does, its peer survives).
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

@@ -8,7 +8,9 @@ per error, ``{"form", "type", "message", "is_oom"}``, with ``is_oom`` from
 import os
 
 if __name__ == "__main__":  # before JAX starts; never when a test imports this module
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import gc

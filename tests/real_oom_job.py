@@ -12,7 +12,9 @@ with no library scratch allocation that could abort the process in between.
 import os
 
 if __name__ == "__main__":  # before JAX starts; never when a test imports this module
-    os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools

@@ -27,7 +27,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

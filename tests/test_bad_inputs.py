@@ -250,7 +250,10 @@ print("placed", state.params.devices() == {jax.devices()[0]})
 
 
 def test_a_batch_on_another_device_is_placed_not_refused():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+    }
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(_ANOTHER_DEVICE)], env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

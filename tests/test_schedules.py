@@ -234,7 +234,10 @@ print("ok")
 
 
 def test_data_parallel_accumulation_follows_the_schedule_exactly():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+    }
     tests = Path(__file__).parent
     env["PYTHONPATH"] = os.pathsep.join([str(tests), env.get("PYTHONPATH", "")])
     result = subprocess.run(

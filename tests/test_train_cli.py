@@ -338,7 +338,10 @@ def _losses(stdout):
 def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_path, capsys):
     flags = ["--target-batch-size", "256", "--memory-limit", "1.6MB", "--objective", "max"]
     flags += ["--eval-every", "0"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    }
     workdir = ["--data-parallel", "--workdir", tmp_path, "--checkpoint-every", "2"]
     workdir += ["--plan-cache", tmp_path / "plans.json"]  # the resumed run searches no more
     workdir += ["--compilation-cache", tmp_path / "xla"]  # nor compiles again
