@@ -362,6 +362,11 @@ def _run(config: TrainConfig) -> tuple[int, str | None]:
         one_line, fit_error = _one_line()
         cause = exc.__cause__ if isinstance(exc, fit_error) else exc
         if _peer_lost(cause):
+            from jax_adaptive.cli.hosts import gone_peer, lost_line
+
+            gone = gone_peer()
+            if gone is not None:  # named as the watch names it
+                return 2, lost_line(gone)
             error, said = cause, "a process of the jax.distributed job is gone: "
         elif cause is not exc and isinstance(cause, one_line):
             error, said = cause, f"training stopped by {type(cause).__name__}: "
