@@ -59,6 +59,7 @@ def pytest_sessionfinish(session):
 _LONG_FIRST = (
     "tests/test_train_cli.py",
     "tests/test_train_cli_resume.py",
+    "tests/test_sharded_lm.py",
     "tests/test_hosts.py",
     "tests/test_real_oom.py",
     "tests/test_gpu_validation.py",
