@@ -31,6 +31,11 @@ SLOWER_CHUNK = 2.0
 """On a CPU, a chunk whose program takes over this many times its micro-steps one by one
 is not taken (`Chunking.settle`); the warning gives the ratio measured."""
 
+DECISIVE = 4 * SLOWER_CHUNK
+"""A chunk this many times slower than its micro-steps is decided by its first timing:
+no load makes that much of a difference (a CNN's chunk: 24 to 33 times), and each of its
+runs costs that many micro-steps (the command line's CNN: 4.8 s of a 13 s run timed)."""
+
 
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
     """Whether the program ``ledger`` measures (compiling it if need be) fits ``capacity``."""
@@ -176,8 +181,9 @@ class Chunking:
         """Whether ``program`` (``chunk`` micro-steps) takes at most `SLOWER_CHUNK` times them.
 
         Timed in turn, three times each (the fastest counts), a chunk found slower timed
-        again: a busy machine must not decide. True when an out-of-memory leaves it
-        unknown: the update meets it and recovers.
+        again: a busy machine must not decide. One found `DECISIVE`-ly slower is decided
+        at once. True when an out-of-memory leaves it unknown: the update meets it and
+        recovers.
         """
         ex = self.executables
 
@@ -186,12 +192,16 @@ class Chunking:
             for _ in range(3):
                 ones.append(ex.time_program(ex.micro(size), state, size, T, reps=1))
                 manys.append(ex.time_program(program, state, size, T, chunk, reps=1))
+                if min(manys) / (chunk * min(ones)) > DECISIVE:
+                    break
             return min(manys) / (chunk * min(ones))
 
         for _ in range(2):
             slower, error = catch_oom(ratio)
             if error is not None or slower <= SLOWER_CHUNK:
                 return True
+            if slower > DECISIVE:
+                break
         log.warning(
             "a program of %d micro-steps of %d took %.1f times %d micro-steps one by one "
             "(XLA:CPU runs convolutions in a loop slowly): one micro-step per dispatch",
