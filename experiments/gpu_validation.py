@@ -332,8 +332,19 @@ def child_search(smoke: bool, size: int | None) -> dict[str, Any]:
     low = max(probe.ledger(s).total for s in (1, 2))
     high = probe.ledger(target).total
     limit = low + (high - low) * 3 // 5  # the answer lies well inside [1, T]
-    trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), memory_limit=limit, **kwargs)
-    state = trainer.init(params, batch)
+    # The search with rounds of 4 sizes compiled side by side, then one at a time (the
+    # default): the same size, and the wall time of each (JAX_ADAPTIVE_COMPILE_WORKERS).
+    rounds = {}
+    for workers in (4, 1):
+        os.environ["JAX_ADAPTIVE_COMPILE_WORKERS"] = str(workers)
+        trainer = ja.AdaptiveTrainer(loss_fn, optax.adam(1e-3), memory_limit=limit, **kwargs)
+        began = time.perf_counter()
+        state = trainer.init(params, batch)
+        rounds[workers] = {
+            "init_seconds": time.perf_counter() - began,
+            "compiles": trainer.compiles,
+            "micro_batch_size": trainer.micro_batch_size,
+        }
     searched, compiles = trainer.micro_batch_size, trainer.compiles
     log = [[t.size, t.fits, t.estimated_bytes, t.decided_by] for t in trainer.search_log]
     _, metrics = trainer.step(state, batch)
@@ -348,6 +359,8 @@ def child_search(smoke: bool, size: int | None) -> dict[str, Any]:
         "memory_limit": limit,
         "micro_batch_size": searched,
         "compiles": compiles,
+        "rounds_of_4": rounds[4],
+        "rounds_of_4_over_serial": rounds[4]["init_seconds"] / rounds[1]["init_seconds"],
         "search_log": log,
         "brute_force": brute,
         "equal": searched == brute,

@@ -10,7 +10,12 @@ small model whose parameters and optimizer state dominate its peak, a low ``f`` 
 room for nothing, not even the optimizer step). It compares:
 
 * ``ours``: ``ja.AdaptiveTrainer(micro_batch_size="auto", memory_limit=limit).init(...)``,
-  its chosen size, ``trainer.compiles`` and the seconds its ``search_log`` records;
+  its chosen size, ``trainer.compiles`` and the seconds its ``search_log`` records, with
+  ``--workers`` sizes compiled side by side per round (``JAX_ADAPTIVE_COMPILE_WORKERS``);
+  ``ours_serial`` the same one size at a time (``JAX_ADAPTIVE_COMPILE_WORKERS=1``, the
+  search before rounds). For both, ``wall_over_one_compile``: the wall seconds of
+  ``init`` (the search, traces and compiles) over one compile of the chosen size (the
+  probe's measured seconds for it: what a job that knew the size would pay);
 * ``halving`` (Composer auto-microbatching, toma): start at ``T``, halve until it fits;
 * ``accelerate`` (``find_executable_batch_size``): start at ``T``, ``int(0.9 * s)`` until
   it fits;
@@ -35,6 +40,7 @@ had its own fresh cache). ``ours`` runs for real, in a fresh trainer per limit.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,7 +58,7 @@ from jax_adaptive.data import synthetic_images
 from jax_adaptive.models import CNN, GPT, MLP, ResNetTiny, gpt_token_loss, linen_classifier_loss
 from jax_adaptive.step import make_optimizer_step
 
-ALGORITHMS = ("ours", "halving", "accelerate", "pl_power", "pl_binsearch", "exact")
+ALGORITHMS = ("ours", "ours_serial", "halving", "accelerate", "pl_power", "pl_binsearch", "exact")
 
 
 @dataclass
@@ -228,7 +234,8 @@ def exact(fits: Callable[[int], bool], target: int) -> int | None:
         return None
 
 
-def run_ours(setup: Setup, limit: int, shared: SharedCompiles) -> dict[str, Any]:
+def run_ours(setup: Setup, limit: int, shared: SharedCompiles, workers: int) -> dict[str, Any]:
+    os.environ["JAX_ADAPTIVE_COMPILE_WORKERS"] = str(workers)  # read as the trainer is made
     trainer = trainer_for(setup, limit)
     start = time.perf_counter()
     error = None
@@ -245,11 +252,15 @@ def run_ours(setup: Setup, limit: int, shared: SharedCompiles) -> dict[str, Any]
         for t in trials
         if t.size in shared.cost and t.estimated_bytes != shared.cost[t.size][0]
     ]
+    one_compile = shared.measure(size)[1] if size is not None else None
     return {
         "size": size,
+        "workers": workers,
         "compiles": trainer.compiles,
         "seconds": sum(t.seconds for t in trials),
         "init_seconds": wall,
+        "one_compile_seconds": one_compile,
+        "wall_over_one_compile": None if one_compile is None else wall / one_compile,
         "sizes_tried": [t.size for t in trials],
         "estimate_mismatches": mismatched,
         "error": error,
@@ -274,7 +285,8 @@ def run_case(
         ),
         "exact": lambda f: exact(f, setup.target),
     }
-    results["ours"] = run_ours(setup, limit, shared)
+    results["ours_serial"] = run_ours(setup, limit, shared, 1)
+    results["ours"] = run_ours(setup, limit, shared, args.workers)
     for name, algorithm in baselines.items():
         oracle = ChargedOracle(shared, limit)
         size = algorithm(oracle)
@@ -286,6 +298,7 @@ def run_case(
         }
     best = results["exact"]["size"]
     ours = results["ours"]
+    assert results["ours_serial"]["size"] == ours["size"], results
     # The trainer also needs its optimizer step (params and optimizer state, updated in
     # place when twice does not fit) within the limit; the baselines' oracle looks at
     # the micro-step alone. Where the optimizer step does not fit, no size does.
@@ -326,6 +339,11 @@ def print_tables(cases: list[dict[str, Any]]) -> None:
         for label, c in rows:
             cells = "".join(f"{cell(c['results'][a]):>13}" for a in ALGORITHMS)
             print(f"{label:<17}{c['max_fitting_size']!s:>6} {cells}")
+    print("\nsearch wall seconds / one compile of the chosen size (init, traces included)")
+    print(f"{'model  limit':<17}{'serial':>10}{'rounds':>10}")
+    for label, c in rows:
+        cells = [c["results"][a]["wall_over_one_compile"] for a in ("ours_serial", "ours")]
+        print(f"{label:<17}" + "".join("-".rjust(10) if v is None else f"{v:10.2f}" for v in cells))
     totals = {a: sum(c["results"][a]["compiles"] for c in cases) for a in ALGORITHMS}
     seconds = {a: sum(c["results"][a]["seconds"] for c in cases) for a in ALGORITHMS}
     print("\ntotal compiles:", totals)
@@ -372,6 +390,7 @@ def main() -> None:
     parser.add_argument("--target-gpt", type=int, default=256, help="T for GPT")
     parser.add_argument("--lightning-init", type=int, default=2, help="Lightning's init_val")
     parser.add_argument("--bin-margin", type=float, default=0.05, help="binsearch stop margin")
+    parser.add_argument("--workers", type=int, default=4, help="sizes compiled side by side")
     parser.add_argument("--quick", action="store_true", help="T of 512/512/32/32: a smoke test")
     parser.add_argument("--out", default="experiments/results/search_cost.json")
     args = parser.parse_args()
@@ -407,6 +426,14 @@ def main() -> None:
         "lightning_init_val": args.lightning_init,
         "binsearch_margin": args.bin_margin,
         "quick": args.quick,
+        "workers": args.workers,
+        "cpu_count": os.cpu_count(),
+        "median_wall_over_one_compile": {
+            a: float(
+                np.median([r for c in cases if (r := c["results"][a]["wall_over_one_compile"])])
+            )
+            for a in ("ours_serial", "ours")
+        },
         "cases": cases,
         "total_seconds": time.perf_counter() - start,
     }

@@ -11,6 +11,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -22,6 +23,7 @@ __all__ = [
     "Ledger",
     "MemoryModel",
     "compile_measured",
+    "compile_side_by_side",
     "device_bytes_in_use",
     "device_capacity",
     "estimate_peak_bytes",
@@ -64,6 +66,33 @@ def compile_measured(
         fault_hook.before_compile(size)
     compiled = lower().compile()
     return Executable(compiled, memory_report(compiled), time.perf_counter() - start)
+
+
+def compile_side_by_side(
+    lowered: Mapping[int, Any], fault_hook: FaultHook | None = None
+) -> dict[int, Future]:
+    """Compiles each of ``lowered`` (``{size: Lowered}``) on a thread of its own, all at once.
+
+    XLA compiles without the GIL, so on a host with idle cores a round of sizes costs
+    about one compile. Returns when all are done: ``{size: Future}``, each holding an
+    `Executable` or the compile's error (an out-of-memory among them), raised by
+    ``.result()`` where the caller decides what it means.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> f = jax.jit(jnp.sin)
+        >>> lowered = {n: f.lower(jax.ShapeDtypeStruct((n,), jnp.float32)) for n in (8, 16)}
+        >>> done = compile_side_by_side(lowered)
+        >>> [done[n].result().report["argument"] for n in (8, 16)]
+        [32, 64]
+    """
+    with ThreadPoolExecutor(
+        max(1, len(lowered)), thread_name_prefix="jax_adaptive-compile"
+    ) as pool:
+        return {
+            size: pool.submit(compile_measured, lambda low=low: low, fault_hook, size)
+            for size, low in lowered.items()
+        }
 
 
 def memory_report(compiled: Any) -> dict[str, int]:

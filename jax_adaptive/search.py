@@ -64,7 +64,8 @@ def search_max_size(
     side before they are asked (the sizing engine compiles them in parallel): with a
     guess, its neighbours (the guess fits and the next does not: settled in one round);
     without one, sizes that split the bracket evenly (the first round: the largest and
-    the middle, two points for a guesser's line). ``width=1`` asks one size a round.
+    the middle, two points for a guesser's line). The largest alone when the guess is
+    that it fits. ``width=1`` asks one size a round.
 
     Args:
         fits: the oracle; if a size fits, every smaller one does.
@@ -116,10 +117,7 @@ def search_max_size(
             good * multiple_of if good >= first else None,
             bad * multiple_of if bad <= last else None,
         )
-        if guess is None:
-            return None
-        k = int(guess) // multiple_of
-        return k if good < k < bad else None
+        return None if guess is None else int(guess) // multiple_of
 
     # Invariant: every k <= good fits (good = first - 1: none known), every k >= bad does
     # not (bad = last + 1: none known). A guess is taken only while the rounds left in
@@ -129,7 +127,12 @@ def search_max_size(
     while bad - good > 1:
         affordable = rounds + 1 + (bad - good - 2).bit_length() <= budget
         k = proposal(good, bad) if affordable and propose is not None else None
-        ks = _round(k, good, bad, first, last, width)
+        if k is not None and k >= last and bad == last + 1:  # the largest, guessed to fit
+            ks = [last]
+        else:
+            ks = _round(
+                k if k is not None and good < k < bad else None, good, bad, first, last, width
+            )
         if prepare is not None and width > 1:
             prepare([k * multiple_of for k in ks])
         rounds += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -33,6 +34,7 @@ from jax_adaptive.memory import (
     Ledger,
     MemoryModel,
     compile_measured,
+    compile_side_by_side,
     device_capacity,
     held_bytes,
     learned_capacity,
@@ -62,6 +64,23 @@ more; then on, up to `RELEASE_PATIENCE`, until the memory held (`held_bytes`) is
 the least it was when that size ran."""
 
 RELEASE_PATIENCE = 2.0
+
+
+def _compile_workers() -> int:
+    """The sizes a search round compiles side by side: ``JAX_ADAPTIVE_COMPILE_WORKERS``, or 1.
+
+    One by default: on a 2-core CPU two compiles side by side took 0.74 s against 0.80 s
+    one after the other (XLA:CPU's compiler already uses the cores), and rounds of two
+    compiled more sizes (52 against 45 over `experiments/search_cost.py --quick`) for no
+    shorter search. A host whose compiles leave cores idle (a GPU host's, compiling
+    kernels) may set more; `experiments/gpu_validation.py` measures it there.
+    """
+    said = os.environ.get("JAX_ADAPTIVE_COMPILE_WORKERS", "").strip()
+    if not said:
+        return 1
+    if not said.isdigit() or int(said) < 1:
+        raise ValueError(f"JAX_ADAPTIVE_COMPILE_WORKERS must be a positive int, got {said!r}.")
+    return int(said)
 
 
 class Sized(NamedTuple):
@@ -111,6 +130,7 @@ class Binding:
         self._ledgers: dict[int, Ledger] = {}
         self._lowered: dict[int, Any] = {}
         self._programs: dict[int, Executable] = {}
+        self._ahead: dict[int, Any] = {}  # compiled side by side, not yet asked: a Future
         self._fingerprint: str | None = None
         self._streak = 0  # out-of-memory errors since a run last succeeded
         self._real_ooms = 0  # real out-of-memory errors since `start`
@@ -136,12 +156,35 @@ class Binding:
     def executable(self, size: int) -> Executable:
         """The compiled program at ``size``, compiled once while in use."""
         if size not in self._programs:
-            lowered = self.lower(size)
-            program = compile_measured(lambda: lowered, self.engine.fault_hook, size)
+            ahead = self._ahead.pop(size, None)
+            if ahead is not None:  # compiled in a round (`prepare`): its result or its error
+                program = ahead.result()
+            else:
+                lowered = self.lower(size)
+                program = compile_measured(lambda: lowered, self.engine.fault_hook, size)
+                self.engine.compiles += 1
             self._lowered.pop(size, None)
             self._programs[size] = program
-            self.engine.compiles += 1
         return self._programs[size]
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Compiles a search round's ``sizes`` side by side (`compile_side_by_side`).
+
+        Each is traced here, on the caller's thread, in order (a size whose tracing fails
+        is left to `fits`, which raises it if the search asks that size); compiling runs
+        on threads. What they compiled (or the error) waits in `executable`.
+        """
+        lowered = {}
+        for size in sizes:
+            if size in self._ledgers or size in self._programs or size in self._ahead:
+                continue
+            try:
+                lowered[size] = self.lower(size)
+            except Exception:  # raised again by `fits` if the search asks this size
+                continue
+        if len(lowered) > 1:
+            self._ahead.update(compile_side_by_side(lowered, self.engine.fault_hook))
+            self.engine.compiles += len(lowered)
 
     def ledger(self, size: int) -> Ledger:
         """Everything live on the device while the program at ``size`` runs (measured once)."""
@@ -172,6 +215,7 @@ class Binding:
         """Runs ``size`` from now on: the programs of other sizes are freed (not their measures)."""
         self.size = size
         self._programs = {s: p for s, p in self._programs.items() if s == size}
+        self._ahead = {s: f for s, f in self._ahead.items() if s == size}
         self._lowered = {s: low for s, low in self._lowered.items() if s == size}
 
     # ------------------------------------------------------------ deciding sizes
@@ -183,7 +227,7 @@ class Binding:
         or the one real runs taught.
         """
         start = time.perf_counter()
-        measured = size in self._ledgers
+        measured, ahead = size in self._ledgers, self._ahead.get(size)
         if not measured:
             self.lower(size)  # the user's code traces here: its errors propagate
         ledger, error = catch_oom(lambda: self.ledger(size))  # compiling may run out
@@ -195,6 +239,8 @@ class Binding:
             elif self.learned_cap is not None and ledger.total > self.learned_cap:
                 decided, error = "learned", "above the capacity learned from real runs"
         seconds = time.perf_counter() - start
+        if ahead is not None and ahead.exception() is None:  # its own compile, in its round
+            seconds += ahead.result().seconds
         self.engine.record(size, error is None, ledger, seconds, decided, reason)
         return error is None
 
@@ -217,14 +263,20 @@ class Binding:
         def fits(size: int) -> bool:
             return self.fits(size, reason)
 
+        # Without a capacity only a compile can fail (on a CPU, no limit): one at a time.
+        width = self.engine.compile_workers if capacity is not None else 1
+        rounds = {"width": width, "prepare": self.prepare}
+
         try:
             try:
-                found = search_max_size(fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose)
+                found = search_max_size(
+                    fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose, **rounds
+                )
             except NothingFitsError:
                 if multiple == least or lo >= multiple:
                     raise
                 found = search_max_size(
-                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose
+                    fits, lo=least, hi=multiple - 1, multiple_of=least, propose=propose, **rounds
                 )
         except NothingFitsError as exc:
             raise self.nothing_fits(exc.smallest, exc.trials) from None
@@ -357,8 +409,8 @@ class Binding:
         if self._again and not self._settle_first:
             self._settle_first = True
             log.info(
-                "%s: from now on a call waits for the last call's buffers to be released"
-                " (a size that ran ran out of memory until they were)", self.engine.what,
+                "%s %s ran once the last call's buffers were released: from now on each call"
+                " waits for their release first", self.engine.what, what,
             )  # fmt: skip
 
     def has_run(self, what: Hashable) -> bool:
@@ -431,6 +483,8 @@ class Sizing:
     Attributes:
         search_log: every `jax_adaptive.SizeTrial`, in order, of every signature.
         compiles: the sized programs compiled so far.
+        compile_workers: the sizes a search round compiles side by side (see
+            `_compile_workers`; 1: one at a time).
         fault_hook: a `FaultHook` called before each compile, or None.
 
     Examples:
@@ -465,6 +519,7 @@ class Sizing:
         self.agree = agree or (lambda size: size)
         self.search_log: list[SizeTrial] = []
         self.compiles = 0
+        self.compile_workers = _compile_workers()
         self.fault_hook: FaultHook | None = None
         self._bindings: dict[Hashable, Binding] = {}
         self._others = 0  # bytes other live arrays held on the device at the last plan

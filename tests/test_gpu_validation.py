@@ -64,6 +64,7 @@ def test_smoke_run_validates_every_check(tmp_path):
     target = search["target_batch_size"]
     assert 1 < search["brute_force"] < target  # the limit leaves the search real work
     assert search["micro_batch_size"] == search["brute_force"]
+    assert search["rounds_of_4"]["micro_batch_size"] == search["brute_force"]  # side by side
     assert search["equal"] is True
     assert 0 < search["compiles"] < target
     assert sorted(int(s) for s in search["ledgers"]) == list(range(1, target + 1))

@@ -2,6 +2,7 @@
 
 import functools
 import importlib.util
+import threading
 from pathlib import Path
 
 import jax
@@ -83,16 +84,45 @@ def brute_force():
     return totals
 
 
-def test_planned_under_memory_limit_picks_the_brute_force_largest(brute_force):
+class _CompileThreads:
+    """A fault hook that injects nothing: it notes the thread each compile ran on."""
+
+    def __init__(self):
+        self.threads = []
+
+    def before_compile(self, size):
+        self.threads.append(threading.current_thread().name)
+
+    def before_execution(self, size, args):
+        pass
+
+
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_planned_under_memory_limit_picks_the_brute_force_largest(
+    brute_force, workers, monkeypatch
+):
+    """One size at a time, or rounds of three compiled side by side: the same exact answer."""
+    monkeypatch.setenv("JAX_ADAPTIVE_COMPILE_WORKERS", workers)
     # The step of T runs no loop (no accumulator): it needs less than 10 and more than 9.
     limits = [brute_force[3], (brute_force[9] + brute_force[10]) // 2, brute_force[13]]
     for limit in limits:
         largest = max(m for m, total in brute_force.items() if total <= limit)
         step = ja.AdaptiveStep(_build, memory_limit=limit, objective="max", plan_cache=False)
+        step.fault_hook = hook = _CompileThreads()
         plan = step.plan(_state(), _batch())
         assert plan.micro_batch_size == plan.largest == largest, (limit, step.search_log)
         assert plan.ledger.total == brute_force[largest] <= limit
         assert step.compiles < T  # guided by the memory model, not every size
+        side_by_side = [name for name in hook.threads if name.startswith("jax_adaptive-compile")]
+        assert bool(side_by_side) == (workers != "1"), hook.threads
+        assert len(hook.threads) == step.compiles  # each compile counted once
+
+
+@pytest.mark.parametrize("said", ["0", "two", "-1"])
+def test_a_bad_number_of_compile_workers_is_refused_with_its_value(said, monkeypatch):
+    monkeypatch.setenv("JAX_ADAPTIVE_COMPILE_WORKERS", said)
+    with pytest.raises(ValueError, match=f"a positive int, got '{said}'"):
+        ja.AdaptiveStep(_build, memory_limit=10**6, plan_cache=False)
 
 
 def test_the_default_objective_trims_the_largest_to_the_least_padding(brute_force):

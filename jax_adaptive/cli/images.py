@@ -166,6 +166,8 @@ def _plan_line(
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {trainer.target_batch_size}; "
         f"{plural(search['compiles'], 'size')} compiled in {search['search_seconds']:.1f}s"
+        + (f" ({search['search_seconds'] / one:.1f}x one compile of {largest})"
+           if (one := search.get("one_compile_seconds")) and search["compiles"] > 1 else "")
         + (f"; {trainer.micro_batch_size // trainer.shards} per device on {trainer.shards}"
            if trainer.shards > 1 else "")
         + (f" (largest that fits: {largest})"
@@ -212,9 +214,18 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
     start = time.perf_counter()
     state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
     cached = any(t.decided_by == "plan cache" for t in trainer.search_log)
+    found = trainer.plan_info.largest
     search = {
         "compiles": trainer.compiles,
         "search_seconds": time.perf_counter() - start,
+        "one_compile_seconds": next(  # of the size found: what knowing it would have cost
+            (
+                t.seconds
+                for t in trainer.search_log
+                if t.size == found and t.decided_by == "estimate"
+            ),
+            None,
+        ),
         "from_plan_cache": str(trainer.plan_cache.path) if cached else None,
         "plan_source": trainer.plan_info.source,  # searched, plan cache or fixed
         "memory_limit": limit,
