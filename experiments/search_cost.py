@@ -390,7 +390,7 @@ def main() -> None:
     parser.add_argument("--target-gpt", type=int, default=256, help="T for GPT")
     parser.add_argument("--lightning-init", type=int, default=2, help="Lightning's init_val")
     parser.add_argument("--bin-margin", type=float, default=0.05, help="binsearch stop margin")
-    parser.add_argument("--workers", type=int, default=4, help="sizes compiled side by side")
+    parser.add_argument("--workers", type=int, default=2, help="sizes compiled side by side")
     parser.add_argument("--quick", action="store_true", help="T of 512/512/32/32: a smoke test")
     parser.add_argument("--out", default="experiments/results/search_cost.json")
     args = parser.parse_args()

@@ -71,7 +71,7 @@ def _compile_workers() -> int:
 
     One by default: on a 2-core CPU two compiles side by side took 0.74 s against 0.80 s
     one after the other (XLA:CPU's compiler already uses the cores), and rounds of two
-    compiled more sizes (62 against 48 over `experiments/search_cost.py --workers 2`)
+    compiled more sizes (62 against 48 over `experiments/search_cost.py`)
     for a longer search. A host whose compiles leave cores idle (a GPU host's, compiling
     kernels) may set more; `experiments/gpu_validation.py` measures it there.
     """
