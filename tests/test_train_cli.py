@@ -839,6 +839,7 @@ def test_a_held_workdir_is_refused_at_once_while_the_run_holding_it_completes(tm
         _, err = holder.communicate(timeout=240)
     finally:
         holder.kill()
+        holder.communicate()  # its pipes closed, whatever happened
     assert holder.returncode == 0, err
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [line["update"] for line in lines] == list(range(1, 41))

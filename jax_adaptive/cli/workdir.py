@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import json
 import os
@@ -87,7 +86,7 @@ def _alive(pid: int) -> bool:
 class WorkdirLock:
     """The lock file ``<directory>/.lock`` of the run that holds a workdir: its pid and host.
 
-    It is created exclusively (``O_EXCL``, never through a symbolic link). A lock left by a
+    It is created exclusively and whole (never through a symbolic link). A lock left by a
     process that no longer runs on this host is taken over with a warning; any other is a
     one-line `ValueError` naming its holder. Under ``jax.distributed`` each process holds
     its own (``.lock``, ``.lock-1``, ...), so a second job is refused on every process.
@@ -142,21 +141,42 @@ class WorkdirLock:
         )
 
     def _create(self) -> bool:
-        """Creates the lock file with this process as holder; False if there is one."""
+        """Creates the lock file with this process as holder; False if there is one.
+
+        It appears whole: written to a file of this process's own, then hard-linked into
+        place, which fails if the lock exists (as ``O_EXCL`` would). Created empty and
+        then written, a second run that read it in between named "process None" (1 CI-like
+        run in 4).
+        """
+        if self.path.is_symlink():
+            raise ValueError(f"{self.path} is a symbolic link; remove it.")
+        mine = self.path.with_name(f"{self.path.name}.{os.getpid()}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._write(os.open(mine, flags, 0o666))
+        try:
+            os.link(mine, self.path)
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: created, then written
+            return self._create_then_write()
+        finally:
+            mine.unlink(missing_ok=True)
+        return True
+
+    def _create_then_write(self) -> bool:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o666)
         except FileExistsError:
             return False
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise ValueError(f"{self.path} is a symbolic link; remove it.") from None
+        self._write(fd)
+        return True
+
+    def _write(self, fd: int) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(self.holder))
             f.flush()
             os.fsync(f.fileno())
-        return True
 
     def _read(self) -> dict[str, Any]:
         """The holder a lock file names; {} for one written half (its writer was killed)."""
