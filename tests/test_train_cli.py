@@ -559,6 +559,18 @@ def _metrics(workdir):
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_run_and_its_resume_in_one_process_and_one_second_write_two_event_files(tmp_path):
+    """``train`` called twice in one process (as the test below does): with the process id
+    alone in the name, the resume's file replaced the run's when both began in the same
+    second, and TensorBoard read back the resumed updates alone (1 suite run in 6)."""
+    from jax_adaptive.cli.scalars import ScalarWriter
+
+    for start in (0, 2):  # microseconds apart: the same second, nearly always
+        with ScalarWriter(tmp_path, learning_rate=0.1, start=start) as writer:
+            writer.write({"update": start + 1, "loss": 1.0})
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+
+
 def test_tensorboard_writes_the_scalars_of_flax_examples_that_tensorboard_reads_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -8,6 +8,7 @@ tensorboardX, which writes event files without TensorFlow (the ``tensorboard`` e
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 from jax_adaptive.cli.extras import import_extra
 
 __all__ = ["ScalarWriter", "scalars"]
+
+_RUNS = itertools.count()
 
 _SAME = ("train_accuracy", "micro_batch_size", "accumulation_steps", "eval_loss", "eval_accuracy")
 _RATES = {"examples_per_s": "examples_per_second", "tokens_per_s": "tokens_per_second"}
@@ -48,8 +51,10 @@ class ScalarWriter:
 
     ``tensorboard --logdir DIRECTORY`` shows them. A run resumed after update ``start``
     purges what an earlier run wrote from update ``start + 1`` on (it trains those again),
-    so each update has one value. Each run writes its own file (named with its process id:
-    a run and its resume in the same second keep apart).
+    so each update has one value. Each run writes its own file, named with its process id
+    and a count of this process's runs: a run and its resume in the same second keep
+    apart, in two processes or in one (``train`` called twice: with the id alone, the
+    resume's file replaced the run's, and TensorBoard read back update 3 alone).
 
     Args:
         directory: where the event files go (the workdir).
@@ -73,7 +78,7 @@ class ScalarWriter:
         self.learning_rate = learning_rate
         self._writer = tensorboardx.SummaryWriter(
             str(Path(directory)), purge_step=start + 1 if start else None,
-            filename_suffix=f".{os.getpid()}",
+            filename_suffix=f".{os.getpid()}.{next(_RUNS)}",
         )  # fmt: skip
 
     def write(self, line: dict[str, Any]) -> None:
