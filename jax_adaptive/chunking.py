@@ -32,9 +32,13 @@ SLOWER_CHUNK = 2.0
 is not taken (`Chunking.settle`); the warning gives the ratio measured."""
 
 DECISIVE = 4 * SLOWER_CHUNK
-"""A chunk this many times slower than its micro-steps is decided by its first timing:
-no load makes that much of a difference (a CNN's chunk: 24 to 33 times), and each of its
-runs costs that many micro-steps (the command line's CNN: 4.8 s of a 13 s run timed)."""
+"""A chunk this many times slower than its micro-steps, and taking `DECISIVE_SECONDS` or
+more, is decided by its first timing: load does not make that much of a difference to a
+program that long (a CNN's chunk: 24 to 33 times, seconds), and each of its runs costs
+that many micro-steps (the command line's CNN: 4.8 s of a 13 s run timed). A short one
+is timed in full: on a loaded CPU a chunk of milliseconds once read 8 times slower."""
+
+DECISIVE_SECONDS = 0.1
 
 
 def _fits(ledger: Callable[[], Ledger], capacity: int | None) -> bool:
@@ -187,20 +191,23 @@ class Chunking:
         """
         ex = self.executables
 
-        def ratio() -> float:
+        def timed() -> tuple[float, bool]:
+            """The ratio, and whether it is decisive (`DECISIVE`, `DECISIVE_SECONDS`)."""
             ones, manys = [], []
             for _ in range(3):
                 ones.append(ex.time_program(ex.micro(size), state, size, T, reps=1))
                 manys.append(ex.time_program(program, state, size, T, chunk, reps=1))
-                if min(manys) / (chunk * min(ones)) > DECISIVE:
-                    break
-            return min(manys) / (chunk * min(ones))
+                ratio = min(manys) / (chunk * min(ones))
+                if min(manys) >= DECISIVE_SECONDS and ratio > DECISIVE:
+                    return ratio, True
+            return ratio, False
 
         for _ in range(2):
-            slower, error = catch_oom(ratio)
-            if error is not None or slower <= SLOWER_CHUNK:
+            out, error = catch_oom(timed)
+            if error is not None or out[0] <= SLOWER_CHUNK:
                 return True
-            if slower > DECISIVE:
+            slower, decided = out
+            if decided:
                 break
         log.warning(
             "a program of %d micro-steps of %d took %.1f times %d micro-steps one by one "

@@ -32,6 +32,7 @@ _GO = b"go\n"
 _BYE = b"bye\n"
 _LEAVING = threading.Lock()
 _WATCHING: list[Peers] = []  # this process's watch, while it runs
+_GONE_PATIENCE = 0.5  # seconds `gone_peer` waits for the closed connection to show
 
 
 def leave(status: int, line: str | None) -> NoReturn:
@@ -153,16 +154,23 @@ def lost_line(gone: int) -> str:
 
 
 def gone_peer() -> int | None:
-    """The process this one's `Peers` watch sees gone now (None: none, or no watch).
+    """The process this one's `Peers` watch sees gone (None: none, or no watch).
 
     A collective fails as soon as a peer is gone, often before the watch's thread has read
-    the closed connection: the caller asks here, to name the process all the same.
+    the closed connection, and at times before that connection's close has even arrived
+    (1 fresh-clone run): the caller asks here, which waits up to half a second for it,
+    to name the process all the same.
 
     Examples:
         >>> gone_peer() is None  # no watch in this process
         True
     """
-    return _WATCHING[0].gone() if _WATCHING else None
+    if not _WATCHING:
+        return None
+    deadline = time.monotonic() + _GONE_PATIENCE  # its close may land a moment after Gloo's
+    while (gone := _WATCHING[0].gone()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gone
 
 
 def _split(address: str) -> tuple[str, int]:
