@@ -17,13 +17,17 @@ def bound(lo, hi, multiple_of):
     return 2 * math.ceil(math.log2(n + 1)) + 2
 
 
+# A bracket [lo, lo + span], multiples of multiple_of, and the largest size that fits.
+BRACKETS = {
+    "lo": st.integers(1, 50),
+    "span": st.integers(0, 5000),
+    "multiple_of": st.integers(1, 16),
+    "threshold": st.integers(0, 6000),
+}
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    lo=st.integers(1, 50),
-    span=st.integers(0, 5000),
-    multiple_of=st.integers(1, 16),
-    threshold=st.integers(0, 6000),
-)
+@given(**BRACKETS)
 def test_matches_brute_force(lo, span, multiple_of, threshold):
     hi = lo + span
     if brute_force(10**9, lo, hi, multiple_of) is None:
@@ -106,10 +110,7 @@ def test_bad_arguments(kwargs, error):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    lo=st.integers(1, 50),
-    span=st.integers(0, 5000),
-    multiple_of=st.integers(1, 16),
-    threshold=st.integers(0, 6000),
+    **BRACKETS,
     width=st.integers(2, 6),
     guess_error=st.one_of(st.none(), st.integers(-300, 300)),
 )
