@@ -353,12 +353,12 @@ class Binding:
         self._real_ooms = 0
         self._again = False
         device, target = self.engine.device, self._held_ran.get(self.size)
-        if self._settle_first and target is not None:
+        settle = self._settle_first and target is not None
+        if settle:
             wait_for_release(0.0, RELEASE_PATIENCE, target, device)
-            held = held_bytes(device)
-            if held is not None and held > target:
-                self._held_ran[self.size] = held
-        self._held_at_start = held_bytes(device)
+        self._held_at_start = held = held_bytes(device)  # read once
+        if settle and held is not None and held > target:
+            self._held_ran[self.size] = held
 
     def again(self, exc: BaseException, size: int, reason: str) -> bool:
         """Whether ``size``, which ran before and now ran out of memory, runs once more.
