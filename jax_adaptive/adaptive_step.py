@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
+from jax_adaptive.timing import Timed, Timing, candidate_sizes
 
 __all__ = ["AdaptiveStep", "StepBuilder", "signature_of"]
 
@@ -79,7 +81,12 @@ class AdaptiveStep:
         memory_limit: bytes: a device of that size (simulated on a CPU).
         headroom: the share of a device's real capacity left unused (never of ``memory_limit``).
         objective: ``"least_padding"``: the fewest micro-batches the largest fitting size
-            allows, with the least padding; ``"max"``: the largest size itself.
+            allows, with the least padding; ``"max"``: the largest size itself;
+            ``"throughput"``: of a few plans at or below the largest
+            (`jax_adaptive.timing.candidate_sizes`), the one whose call is fastest: the
+            first calls of each new shape run the candidates (every plan trains the same)
+            and are timed, then the fastest is kept, and in the plan cache: a second run
+            times nothing (``plan_info.timed`` says what won).
         multiple_of: try only multiples of this.
         plan_cache: None for the default file, False for none, a path or a `PlanCache`.
         host_backup: ``"first_run"``: a host copy of the donated arguments before the
@@ -118,7 +125,7 @@ class AdaptiveStep:
         batch_argnum: int = 1,
         memory_limit: int | None = None,
         headroom: float = 0.05,
-        objective: Literal["least_padding", "max"] = "least_padding",
+        objective: Literal["least_padding", "max", "throughput"] = "least_padding",
         multiple_of: int = 1,
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
         host_backup: Literal["first_run", "every_call"] = "first_run",
@@ -129,7 +136,9 @@ class AdaptiveStep:
             raise TypeError(f"build_step must be callable, got {build_step!r}.")
         self.build_step = build_step
         self.batch_argnum = checks.non_negative_int("batch_argnum", batch_argnum)
-        self.objective = checks.one_of("objective", objective, ("least_padding", "max"))
+        self.objective = checks.one_of(
+            "objective", objective, ("least_padding", "max", "throughput")
+        )
         self.multiple_of = checks.positive_int("multiple_of", multiple_of)
         self.host_backup = checks.one_of("host_backup", host_backup, ("first_run", "every_call"))
         self.sizing = Sizing(
@@ -146,6 +155,8 @@ class AdaptiveStep:
         self._batch_size = 0
         self._replan = False
         self._sharding: str | None = None  # the state's, in words (`describe_sharding`)
+        self._timing: Timing | None = None  # objective="throughput": the calls being timed
+        self._run_seconds = 0.0  # the last run's, for the timing
 
     # ------------------------------------------------------------ what is planned
 
@@ -162,9 +173,17 @@ class AdaptiveStep:
         size, program = self.micro_batch_size, self._program
         ledger = program.ledger(size) if program.peak(size) is not None else None
         source = None if program.largest is None else "searched"
+        if self._timing is not None:
+            source = f"searched; the next calls time {self._timing.sizes}"
         steps = math.ceil(self._batch_size / size)
+        timed = program.timed if program.timed and program.timed.chosen == size else None
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
-                    sharding=self._sharding)  # fmt: skip
+                    sharding=self._sharding, timed=timed and str(timed))  # fmt: skip
+
+    @property
+    def timed(self) -> Timed | None:
+        """What ``objective="throughput"`` timed for the shapes in use (None: not timed)."""
+        return None if self._program is None else self._program.timed
 
     @property
     def compiled(self) -> Any:
@@ -247,6 +266,8 @@ class AdaptiveStep:
                 size = self._program.cached(self._batch_size, "init")
                 reason = "from the plan cache" if size is not None else None
                 self._use(size if size is not None else self._largest("init"), reason)
+                if size is None and self.objective == "throughput":
+                    self._start_timing()
         if self._replan:
             self._replan = False
             self._use(self._largest("memory limit raised"), "the memory limit was raised")
@@ -288,17 +309,37 @@ class AdaptiveStep:
         return self._trimmed(largest)
 
     def _trimmed(self, largest: int) -> int:
-        if self.objective == "least_padding":
+        if self.objective != "max":
             return least_padding_size(self._batch_size, largest, self.multiple_of)
         return largest
 
     def _use(self, size: int, why: str | None) -> None:
         """Runs ``size`` from now on; a changed plan is one line on the ``jax_adaptive`` logger."""
         before = self._program.size
+        self._timing = None
         self._program.use(size)
         self._program.store(size, batch_size=self._batch_size)
         if size != before:
             log.info("plan%s: %s", f" ({why})" if why else "", self.plan_info)
+
+    def _start_timing(self) -> None:
+        """The next calls run and time the candidate plans (`jax_adaptive.timing.Timing`)."""
+        program, T = self._program, self._batch_size
+        sizes = candidate_sizes(T, program.largest, self.multiple_of)
+        if len(sizes) > 1:
+            self._timing = Timing(sizes, T, online=True)
+            log.info(
+                "the next calls time the plans %s", ", ".join(f"{s} x {-(-T // s)}" for s in sizes)
+            )
+
+    def _timed(self, size: int, spent: float) -> None:
+        """A timing call of ``size`` ran; once the timing is done, the fastest is used."""
+        timing = self._timing
+        timing.record(size, self._run_seconds, spent)
+        if timing.result is not None:
+            self._program.timed = timing.result
+            log.info("timed plans: %s", timing.result)
+            self._use(timing.result.chosen, "the fastest timed")
 
     # ------------------------------------------------------------ the guarded call
 
@@ -319,13 +360,20 @@ class AdaptiveStep:
         self._program.start()
         again = False  # a size that ran failed: its second run keeps a host copy
         while True:
-            size = self.micro_batch_size
+            timing = self._timing  # the first calls run the sizes it times: all train alike
+            size = self.micro_batch_size if timing is None else timing.size
             cautious = again or not self._program.has_run(size) or self.host_backup == "every_call"
             saved: Backup | None = {} if cautious else None
+            start = time.perf_counter()
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
                 self._program.ran(size)
+                if timing is not None:
+                    self._timed(size, time.perf_counter() - start)
                 return out
+            if timing is not None:  # memory is tighter than planned: plan as without timing
+                log.info("the timing stopped: %s ran out of memory", size)
+                self._timing = None
             args = self._restore(args, saved)
             del out, saved  # what the failed attempt held goes before the retry
             # A size that ran is kept unless it fails again (the trainer's rule): one
@@ -351,7 +399,10 @@ class AdaptiveStep:
             self.fault_hook.before_execution(size, args)
         # Wait inside the guard: with asynchronous dispatch an out-of-memory may surface
         # only when the result is read.
-        return jax.block_until_ready(compiled(*args))
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        self._run_seconds = time.perf_counter() - start
+        return out
 
     def _backup(self, args: tuple[Any, ...], compiled: Any) -> Backup:
         """Host copies of the device arrays the compiled step donates, by leaf index."""

@@ -416,9 +416,11 @@ class Executables:
 
     def time_program(
         self, executable: Executable, state: TrainState, size: int, T: int, chunk: int = 1,
-        reps: int = 3,
+        reps: int = 3, warm: bool = True,
     ) -> float:  # fmt: skip
         """The fastest of ``reps`` runs of a chunk or last program on zeros, in seconds.
+
+        ``warm``: one run first, untimed (the first run of a program allocates).
 
         Out-of-memory propagates: the caller decides what it means.
         """
@@ -432,12 +434,12 @@ class Executables:
             totals=zeros(structs.totals),
         )  # fmt: skip
         seconds = []
-        for _ in range(reps + 1):  # the first run warms up
+        for _ in range(reps + warm):
             args = fixed._replace(acc_grads=zeros(structs.acc_grads))  # donated: fresh each run
             start = time.perf_counter()
             jax.block_until_ready(executable.compiled(*args))
             seconds.append(time.perf_counter() - start)
-        return min(seconds[1:])
+        return min(seconds[warm:])
 
 
 def _axes(sharding: NamedSharding) -> set[str]:

@@ -138,6 +138,8 @@ class Plan(NamedTuple):
         sharding: the state's sharding the plan assumed, in a few words (``"state
             sharded over data (FSDP)"``, ``"state replicated over 8 devices"``); None on
             one device.
+        timed: the plans timed and the one chosen, in words (`jax_adaptive.timing.Timed`,
+            ``objective="throughput"``); None when the plan was not timed.
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -159,6 +161,7 @@ the optimizer step in the last program
     collectives: Collectives | None = None
     remat: str | None = None
     sharding: str | None = None
+    timed: str | None = None
 
     def bound(self) -> str | None:
         """Which process bound the plan and how much further the others could have gone.
@@ -187,6 +190,8 @@ the optimizer step in the last program
             why.append(str(self.bound()))
         if self.remat is not None:
             why.append(f"remat policy {self.remat}")
+        if self.timed is not None:
+            why.append(self.timed)
         if why:
             words[0] += f" ({'; '.join(why)})"
         of = "" if self.capacity is None else f" of {self.capacity:,}"

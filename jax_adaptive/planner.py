@@ -12,6 +12,7 @@ size's micro-steps are dispatched.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -19,7 +20,7 @@ import jax
 from jax_adaptive import checks
 from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
-from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory, catch_oom
+from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory
 from jax_adaptive.executables import Executables
 from jax_adaptive.memory import Executable, Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Objective, Plan, least_padding_size
@@ -44,7 +45,6 @@ class Planner:
         shards: the data shards every size must be a multiple of.
 
     Attributes:
-        throughput_log: the timed candidates of ``objective="throughput"``.
         chunking: how the size's micro-steps are dispatched.
         size: the size in use (None before `plan_for`).
         largest: the largest size that fits, when searched.
@@ -70,7 +70,6 @@ class Planner:
             "objective", objective, ("least_padding", "max", "throughput")
         )
         self.multiple_of, self.shards = multiple_of, shards
-        self.throughput_log: list[dict[str, float]] = []
         self.size: int | None = None
         self.largest: int | None = None
         self.source: str | None = None
@@ -97,6 +96,15 @@ class Planner:
     def memory_model(self) -> MemoryModel:
         """The `jax_adaptive.memory.MemoryModel` of every size measured for the shape in use."""
         return self.program.memory_model
+
+    @property
+    def throughput_log(self) -> list[dict[str, float]]:
+        """The plans ``objective="throughput"`` timed: size, seconds and examples per second."""
+        timed, T = self.program.timed, self.target_batch_size
+        if timed is None:
+            return []
+        return [{"size": size, "seconds_per_update": seconds, "examples_per_second": T / seconds}
+                for size, seconds in timed.seconds]  # fmt: skip
 
     def capacity(self) -> int | None:
         """The bytes a size's ledger may reach; None when unknown (a CPU with no limit)."""
@@ -149,6 +157,7 @@ class Planner:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
         known = self.program.peak(self.size) is not None
         known &= self.chunking.chunk_of is not None or jax.process_count() == 1
+        timed = self.program.timed
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
@@ -160,6 +169,7 @@ class Planner:
             self.source,
             getattr(self.sizing.agree, "found", None),  # an `Agreement`'s, several processes
             self.executables.collectives(self.size),
+            timed=str(timed) if timed and timed.chosen == self.size else None,
         )
 
     def _peak(self) -> Ledger:
@@ -193,8 +203,11 @@ class Planner:
             self._use(size, "plan cache")
             return self.size
         size = self._searched(self.target_batch_size, "init")
-        size = self._fastest(state, size) if self.objective == "throughput" else size
-        self._use(self._trimmed(size), "searched")
+        if self.objective == "throughput":
+            T, timer = self.target_batch_size, self._timer(state)
+            self._use(self.program.timed_fastest(T, size, self._multiple, timer), "searched")
+        else:
+            self._use(self._trimmed(size), "searched")
         return self.size
 
     def _searched(self, hi: int, reason: str, lo: int = 1) -> int:
@@ -246,8 +259,11 @@ class Planner:
         return max(self.shards, cap // self.shards * self.shards)
 
     def _trimmed(self, largest: int) -> int:
-        """The size the objective takes below the largest that fits (`least_padding_size`)."""
-        if self.objective != "least_padding":
+        """The size the objective takes below the largest that fits (`least_padding_size`).
+
+        ``"throughput"`` times its plans once, at `plan_for`; later it trims as the default.
+        """
+        if self.objective == "max":
             return largest
         return least_padding_size(self.target_batch_size, largest, self._multiple)
 
@@ -265,32 +281,20 @@ class Planner:
         self.executables.release(keep={size})
         self.chunking.forget()
 
-    def _fastest(self, state: TrainState, largest: int) -> int:
-        """The candidate at or below ``largest`` whose update is fastest, timed on zeros.
+    def _timer(self, state: TrainState) -> Callable[[int], float]:
+        """``time_once(size)``: an update of ``size``, from one micro-step on zeros.
 
-        Candidates: ``largest`` and ``ceil(T / k)`` for the three smallest ``k`` it
-        allows (the same micro-steps with less padding, or one or two more).
+        The micro-step's time times the micro-steps per update; an update's dispatches
+        (its chunks, decided after the plan) are left out.
         """
-        T, multiple, ex = self.target_batch_size, self._multiple, self.executables
-        k = math.ceil(T / largest)
-        fewest = (
-            min(largest, -(-math.ceil(T / j) // multiple) * multiple) for j in range(k, k + 3)
-        )
-        timings = {}
-        for size in sorted({largest, *fewest}, reverse=True):
-            capacity = self.program.guide_capacity()
-            if capacity is not None and ex.ledger(size).total > capacity:
-                continue
-            seconds, error = catch_oom(
-                lambda size=size: ex.time_program(ex.micro(size), state, size, T)
-            )
-            if error is not None:
-                continue  # a real out-of-memory: not a candidate
-            timings[size] = seconds = seconds * math.ceil(T / size)
-            self.throughput_log.append(
-                {"size": size, "seconds_per_update": seconds, "examples_per_second": T / seconds}
-            )
-        return min(timings, key=timings.get)
+        T, ex = self.target_batch_size, self.executables
+
+        def time_once(size: int) -> float:
+            self.program.check(size)
+            seconds = ex.time_program(ex.micro(size), state, size, T, reps=1, warm=False)
+            return seconds * math.ceil(T / size)
+
+        return time_once
 
     # ------------------------------------------------------------ changes
 

@@ -46,6 +46,7 @@ from jax_adaptive.memory import (
 from jax_adaptive.plan import DecidedBy, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import search_max_size
+from jax_adaptive.timing import Timed, candidate_sizes, fastest
 
 __all__ = ["Binding", "Sized", "Sizing"]
 
@@ -118,6 +119,8 @@ class Binding:
         largest: the largest size found to fit (None before a search).
         plans: the client's own memory of plans, by what decided them.
         learned_cap: the capacity real out-of-memory errors taught, or None.
+        timed: the plans timed for the size in use and the one chosen (`timed_fastest`,
+            or the plan cache's), or None.
     """
 
     def __init__(self, engine: Sizing, sized: Sized):
@@ -127,6 +130,7 @@ class Binding:
         self.largest: int | None = None
         self.plans: dict[Hashable, int] = {}
         self.learned_cap: int | None = None
+        self.timed: Timed | None = None
         self._ledgers: dict[int, Ledger] = {}
         self._lowered: dict[int, Any] = {}
         self._programs: dict[int, Executable] = {}
@@ -329,14 +333,32 @@ class Binding:
             return None
         size, estimate = entry["micro_batch_size"], entry.get("estimated_bytes")
         self.engine.record(size, True, estimate, time.perf_counter() - start, "plan cache", reason)
+        self.timed = Timed.from_entry(entry, bound)
         return size
 
     def store(self, size: int, **entry: Any) -> None:
-        """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``."""
+        """Remembers ``size`` in the plan cache, with its peak, the capacity and ``entry``.
+
+        The timing that chose ``size`` (`timed`) is kept with it.
+        """
         if self.engine.plan_cache is not None:
             plan = {"micro_batch_size": size, "estimated_bytes": self.peak(size)}
             plan["capacity"] = self.engine.capacity()
-            self.engine.plan_cache.put(self.key(), {**plan, **entry})
+            timed = self.timed.entry() if self.timed and self.timed.chosen == size else {}
+            self.engine.plan_cache.put(self.key(), {**plan, **timed, **entry})
+
+    def timed_fastest(
+        self, T: int, largest: int, multiple_of: int, time_once: Callable[[int], float]
+    ) -> int:
+        """Times the candidate plans below ``largest`` offline (`jax_adaptive.timing`).
+
+        ``time_once(size)`` runs one update of ``T`` examples at ``size`` and returns its
+        seconds; sizes other than the fastest, returned, are freed by the client's `use`.
+        """
+        sizes = candidate_sizes(T, largest, multiple_of)
+        self.timed = fastest(sizes, time_once, T)
+        log.info("timed plans: %s", self.timed)
+        return self.timed.chosen
 
     # ------------------------------------------------------------ out of memory
 

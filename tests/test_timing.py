@@ -1,0 +1,189 @@
+"""Timed candidates (objective="throughput"): the choice against brute force, exact, cached.
+
+`fastest` is checked on cost curves given in numbers, against the argmin over every
+candidate; `AdaptiveStep` and the trainer time a real step, and whatever they choose must
+train exactly as plain full-batch optax does and leave the caller's arguments whole.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
+from helpers import regression_batches as batches_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_adaptive as ja
+from jax_adaptive.plan_cache import PlanCache
+from jax_adaptive.timing import KEEP_DEFAULT, candidate_sizes, fastest
+
+T = 24
+OPT = optax.adam(0.05)
+
+
+def _loss(params, batch, rng):
+    hidden = jnp.tanh(batch["x"] @ params["w1"])
+    return (hidden @ params["w2"] - batch["y"]) ** 2
+
+
+@functools.cache
+def _build(m):
+    """A user's step for micro-batch m: donates its state, one adam update."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, batch):
+        params, opt_state = state
+        out = ja.micro_batch_grad(_loss, m)(params, batch)
+        updates, opt_state = OPT.update(out.grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), out.loss
+
+    return train_step
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(8, 128)) * 0.3, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(128,)) * 0.1, jnp.float32),
+    }
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(T, 8)).astype(np.float32),
+        "y": rng.normal(size=(T,)).astype(np.float32),
+    }
+
+
+# ------------------------------------------------------------ the candidates and the rule
+
+
+@given(T=st.integers(1, 5000), fraction=st.floats(0.0, 1.0), multiple=st.sampled_from([1, 2, 8]))
+@settings(max_examples=300, deadline=None)
+def test_candidates_fit_decrease_and_start_at_the_default_plan(T, fraction, multiple):
+    if T < multiple:
+        return
+    largest = max(multiple, int(fraction * T) // multiple * multiple)
+    sizes = candidate_sizes(T, largest, multiple)
+    # the default plan: the fewest micro-steps largest allows, with the least padding
+    steps = math.ceil(T / largest)
+    default = min(s for s in range(multiple, largest + 1, multiple) if math.ceil(T / s) == steps)
+    assert sizes[0] == default
+    assert all(s % multiple == 0 and multiple <= s <= largest for s in sizes)
+    assert sizes == sorted(set(sizes), reverse=True) and len(sizes) <= 6
+
+
+@given(
+    valley=st.integers(0, 5),
+    slopes=st.lists(st.floats(0.02, 1.0), min_size=6, max_size=6),
+)
+@settings(max_examples=200, deadline=None)
+def test_fastest_finds_the_valley_of_a_curve_that_falls_then_rises(valley, slopes):
+    """Without noise, the choice is the brute-force argmin (or the default within 1%)."""
+    sizes = candidate_sizes(2048, 700)  # 683, 512, 256, 128, 64, 32
+    seconds, t = {}, 1.0
+    for i, size in enumerate(sizes):  # down to the valley, up after it
+        t = t * (1 - slopes[i] / 2) if i <= valley else t * (1 + slopes[i])
+        seconds[size] = t
+    timed = fastest(sizes, seconds.get, 2048)
+    best = min(seconds, key=seconds.get)
+    assert timed.chosen == best or (
+        timed.chosen == sizes[0] and seconds[sizes[0]] <= seconds[best] * (1 + KEEP_DEFAULT)
+    )
+    assert dict(timed.seconds)[timed.chosen] == seconds[timed.chosen]
+
+
+def test_fastest_leaves_out_a_size_that_runs_out_of_memory():
+    def time_once(size):
+        if size == 256:
+            raise ja.SimulatedOutOfMemory(10, 5)
+        return {683: 0.5, 512: 0.45, 128: 0.6, 64: 0.7}[size]
+
+    timed = fastest([683, 512, 256, 128, 64], time_once, 2048)
+    assert timed.chosen == 512 and 256 not in dict(timed.seconds)
+    assert "1.11x the speed of 683 x 3" in str(timed)
+    nothing = fastest([683, 512], lambda size: time_once(256), 2048)
+    assert nothing.chosen == 683 and "not timed" in str(nothing)
+
+
+def test_other_errors_propagate():
+    def time_once(size):
+        raise ZeroDivisionError("the user's bug")
+
+    with pytest.raises(ZeroDivisionError):
+        fastest([683, 512], time_once, 2048)
+
+
+# ------------------------------------------------------------ a real step
+
+
+def _reference(batches):
+    params, opt_state = _params(), OPT.init(_params())
+    for batch in batches:
+        grads = jax.grad(lambda p, b=batch: _loss(p, b, None).mean())(params)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _limit_for_largest(largest):
+    """A memory limit under which ``largest`` is the largest looped size that fits."""
+    state, batch = (_params(), OPT.init(_params())), _batch(0)
+    step = ja.AdaptiveStep(_build, memory_limit=10**9, plan_cache=False)
+    step.plan(state, batch)
+    return (step.ledger(largest).total + step.ledger(largest + 1).total) // 2
+
+
+def test_adaptive_step_times_candidates_in_its_first_calls_and_trains_exactly(tmp_path):
+    limit = _limit_for_largest(10)  # 10 fits: 3 micro-steps; candidates 8, 6, 4, 2, 1
+    cache = PlanCache(tmp_path / "plans.json")
+    step = ja.AdaptiveStep(_build, memory_limit=limit, objective="throughput", plan_cache=cache)
+    state, batches = (_params(), OPT.init(_params())), [_batch(i % 5) for i in range(40)]
+    plan = step.plan(state, batches[0])
+    assert plan.largest == 10 and plan.micro_batch_size == 8 and "time [8, 6, 4, 2, 1]" in str(plan)
+    calls = 0
+    while calls == 0 or "the next calls time" in str(step.plan_info):  # they train too
+        state, _ = step(state, batches[calls])
+        calls += 1
+    plan = step.plan_info
+    assert (
+        plan.micro_batch_size in candidate_sizes(T, 10) and "timed fastest of 8 x 3" in plan.timed
+    )
+    assert 6 <= calls <= 5 * 3 + 5 * 5  # screening (3 runs each), then rounds of the close
+    state, _ = step(state, batches[calls])
+    want = _reference(batches[: calls + 1])
+    got = state[0]
+    assert_trees_close(got, want, 2e-5)
+    # A second run of the same job: the plan cache's choice, nothing searched nor timed.
+    again = ja.AdaptiveStep(_build, memory_limit=limit, objective="throughput", plan_cache=cache)
+    replan = again.plan((_params(), OPT.init(_params())), batches[0])
+    assert replan.micro_batch_size == plan.micro_batch_size
+    assert [trial.decided_by for trial in again.search_log] == ["plan cache"]
+    assert again.compiles == 0 and "plan cache" in replan.timed
+
+
+def test_trainer_throughput_times_the_candidates_and_stays_exact():
+    # The MLP's ledgers grow with the size; under the limit between 5 and 6, 5 fits.
+    T12 = 12
+    probe = ja.AdaptiveTrainer(mlp_loss, optax.adam(1e-2), target_batch_size=T12)
+    probe.init(mlp_params(), batches_of(1, T12)[0])
+    limit = (probe.ledger(5).total + probe.ledger(6).total) // 2
+    batches = batches_of(2, T12)
+    trainer = ja.AdaptiveTrainer(
+        mlp_loss, optax.adam(1e-2), target_batch_size=T12, memory_limit=limit,
+        objective="throughput", plan_cache=False,
+    )  # fmt: skip
+    state = trainer.init(mlp_params(), batches[0])
+    timed = {entry["size"] for entry in trainer.throughput_log}
+    assert 4 in timed and timed <= set(candidate_sizes(T12, 5)) == {4, 3, 2, 1}
+    assert trainer.micro_batch_size in timed and "timed fastest" in str(trainer.plan_info)
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
+    assert_trees_close(state.params, reference, 1e-5)
