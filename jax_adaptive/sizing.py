@@ -218,6 +218,10 @@ class Binding:
         self._ahead = {s: f for s, f in self._ahead.items() if s == size}
         self._lowered = {s: low for s, low in self._lowered.items() if s == size}
 
+    def release(self) -> None:
+        """Frees the programs of every size (not their measures): a program no longer run."""
+        self._programs, self._ahead, self._lowered = {}, {}, {}
+
     # ------------------------------------------------------------ deciding sizes
 
     def fits(self, size: int, reason: str) -> bool:
