@@ -9,7 +9,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -23,15 +23,19 @@ from jax_adaptive.forwarding import forwarded
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
+from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
 from jax_adaptive.timing import Timed, Timing, candidate_sizes
 
-__all__ = ["AdaptiveStep", "StepBuilder", "signature_of"]
+__all__ = ["AdaptiveStep", "StepBuilder", "StepBuilders", "signature_of"]
 
 StepBuilder = Callable[[int], Callable[..., Any]]
 """``build_step(micro_batch_size) -> step``: your step for that (static) size, jitted
 or not (a plain function is jitted as it is)."""
+
+StepBuilders = StepBuilder | RematChoices[StepBuilder]
+"""One `StepBuilder`, or a `jax_adaptive.RematChoices` of them, one per remat policy."""
 
 _STATE_LOST = (
     "the step donates its arguments, a failed run of it deleted them, and no host copy "
@@ -76,6 +80,9 @@ class AdaptiveStep:
     Args:
         build_step: ``micro_batch_size -> step`` (`StepBuilder`); the step takes positional
             array pytrees (your state, your batch, ...). A larger size must need no less memory.
+            Or a `jax_adaptive.RematChoices` of such builders, one per remat policy (the
+            same step, its layers under each policy): the plan takes the policy with the
+            fewest micro-steps, the least rematerialised on a tie (docs/memory.md).
         batch_argnum: which argument is the batch: its leading size ``T`` is the largest
             size tried, and the ledger counts it as in flight.
         memory_limit: bytes: a device of that size (simulated on a CPU).
@@ -120,7 +127,7 @@ class AdaptiveStep:
 
     def __init__(
         self,
-        build_step: StepBuilder,
+        build_step: StepBuilders,
         *,
         batch_argnum: int = 1,
         memory_limit: int | None = None,
@@ -132,9 +139,13 @@ class AdaptiveStep:
         oom_retries: int = 3,
         device: jax.Device | None = None,
     ):
-        if not callable(build_step):
-            raise TypeError(f"build_step must be callable, got {build_step!r}.")
+        # Several builders, one per remat policy: a plan over (policy, size) picks one.
+        builders = build_step if isinstance(build_step, RematChoices) else {None: build_step}
+        for builder in builders.values():
+            if not callable(builder):
+                raise TypeError(f"build_step must be callable, got {builder!r}.")
         self.build_step = build_step
+        self._builders: Mapping[str | None, StepBuilder] = builders
         self.batch_argnum = checks.non_negative_int("batch_argnum", batch_argnum)
         self.objective = checks.one_of(
             "objective", objective, ("least_padding", "max", "throughput")
@@ -157,6 +168,7 @@ class AdaptiveStep:
         self._sharding: str | None = None  # the state's, in words (`describe_sharding`)
         self._timing: Timing | None = None  # objective="throughput": the calls being timed
         self._run_seconds = 0.0  # the last run's, for the timing
+        self._choices: dict[Hashable, RematChoice] = {}  # by signature, with RematChoices
 
     # ------------------------------------------------------------ what is planned
 
@@ -177,13 +189,35 @@ class AdaptiveStep:
             source = f"searched; the next calls time {self._timing.sizes}"
         steps = math.ceil(self._batch_size / size)
         timed = program.timed if program.timed and program.timed.chosen == size else None
+        remat = None if self.remat is None else str(self.remat)
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
-                    sharding=self._sharding, timed=timed and str(timed))  # fmt: skip
+                    remat=remat, sharding=self._sharding, timed=timed and str(timed))  # fmt: skip
 
     @property
     def timed(self) -> Timed | None:
         """What ``objective="throughput"`` timed for the shapes in use (None: not timed)."""
         return None if self._program is None else self._program.timed
+
+    @property
+    def remat(self) -> RematChoice | None:
+        """The remat policy run for the shapes in use, and why (None: one `StepBuilder`).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> import jax_adaptive as ja
+            >>> from jax_adaptive.remat import maybe_checkpoint
+            >>> def make_build_step(policy):  # the same step, its scanned layers under policy
+            ...     layer = maybe_checkpoint(lambda x, w: (jnp.tanh(x @ w), None), policy)
+            ...     loss = lambda p, b, r: jax.lax.scan(layer, b, p)[0].sum(axis=1)
+            ...     grad = lambda m, p, b: ja.micro_batch_grad(loss, m)(p, b).grads
+            ...     return lambda m: jax.jit(lambda p, b: p - 0.1 * grad(m, p, b))
+            >>> choices = ja.RematChoices.from_factory(make_build_step)
+            >>> step = ja.AdaptiveStep(choices, memory_limit=10**6, plan_cache=False)
+            >>> params = step(jnp.zeros((4, 8, 8)), np.ones((16, 8), np.float32))
+            >>> print(step.remat)  # room for the whole batch: no remat, the others not planned
+            none (micro-batch by policy: none 16 x 1)
+        """
+        return self._choices.get(self._signature)
 
     @property
     def compiled(self) -> Any:
@@ -259,26 +293,66 @@ class AdaptiveStep:
             self._signature = signature
             i = self.batch_argnum
             self._sharding = describe_sharding(args[:i] + args[i + 1 :])
-            self._program = self.sizing.bind(signature, lambda: self._sized(args, signature))
-            if self._program.size is None:  # a new shape: planned once, kept
-                own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
-                self.sizing.measure_others(own)
-                size = self._program.cached(self._batch_size, "init")
-                reason = "from the plan cache" if size is not None else None
-                self._use(size if size is not None else self._largest("init"), reason)
-                if size is None and self.objective == "throughput":
-                    self._start_timing()
+            self._plan_shape(args, signature)
         if self._replan:
             self._replan = False
             self._use(self._largest("memory limit raised"), "the memory limit was raised")
 
-    def _sized(self, args: tuple[Any, ...], signature: Hashable) -> Sized:
-        """What the engine needs of the step for arguments like ``args``."""
+    def _plan_shape(self, args: tuple[Any, ...], signature: Hashable) -> None:
+        """Runs the plan of ``args``' shapes: made once (each policy's binding), kept."""
+        bindings = {
+            name: self.sizing.bind(
+                signature if name is None else (signature, name),
+                functools.partial(self._sized, args, signature, name),
+            )
+            for name in self._builders
+        }
+        if None in bindings:  # one builder
+            self._program = bindings[None]
+            if self._program.size is not None:
+                return
+        elif signature in self._choices:
+            self._program = bindings[self._choices[signature].policy]
+            return
+        own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
+        self.sizing.measure_others(own)
+        if None in bindings:
+            self._plan_size(self._program)
+        else:
+            self._choose(bindings)
+        if self.objective == "throughput" and self._program.largest is not None:
+            self._start_timing()  # searched, not from the plan cache: time the candidates
+
+    def _choose(self, bindings: dict[str, Binding]) -> None:
+        """Plans every remat policy (`jax_adaptive.remat.plan_policies`) and runs the chosen."""
+        choice = plan_policies(
+            lambda name: self._plan_size(bindings[name], name), list(bindings), self._batch_size,
+            cache=self.sizing.plan_cache, keys=lambda: [b.key() for b in bindings.values()],
+            log=log.info,
+        )  # fmt: skip
+        self._choices[self._signature] = choice
+        self._program = bindings[choice.policy]
+        for binding in bindings.values():
+            if binding is not self._program:
+                binding.release()  # the programs of the policies not chosen
+
+    def _plan_size(self, binding: Binding, policy: str | None = None) -> int:
+        """Plans ``binding``'s size (the plan cache's, else searched) and runs it from now on."""
+        self._program = binding
+        size = binding.cached(self._batch_size, "init")
+        why = [] if policy is None else [f"remat policy {policy}"]
+        why += [] if size is None else ["from the plan cache"]
+        self._use(size if size is not None else self._largest("init"), ", ".join(why) or None)
+        return binding.size
+
+    def _sized(self, args: tuple[Any, ...], signature: Hashable, policy: str | None) -> Sized:
+        """What the engine needs of ``policy``'s step for arguments like ``args``."""
         structs = tuple(jax.tree.map(lambda x: _struct(x, self.sizing.device), args))
         i, T = self.batch_argnum, self._batch_size
+        remat = {} if policy is None else {"remat": policy}
 
         def lower(size: int) -> Any:
-            step = self.build_step(size)  # the user's code traces here
+            step = self._builders[policy](size)  # the user's code traces here
             return (step if hasattr(step, "lower") else jax.jit(step)).lower(*structs)
 
         batch_bytes = tree_bytes(structs[i])
@@ -292,6 +366,7 @@ class AdaptiveStep:
                 "objective": self.objective,
                 "batch_argnum": i,
                 "args": str(signature),
+                **remat,
             },
             # At the whole batch a micro-batched step runs no loop (one micro-batch: no
             # accumulator, other fusions), so its peak lies off the line of the looped
@@ -327,7 +402,7 @@ class AdaptiveStep:
         program, T = self._program, self._batch_size
         sizes = candidate_sizes(T, program.largest, self.multiple_of)
         if len(sizes) > 1:
-            self._timing = Timing(sizes, T, online=True)
+            self._timing = Timing(sizes, T, multiple_of=self.multiple_of, online=True)
             log.info(
                 "the next calls time the plans %s", ", ".join(f"{s} x {-(-T // s)}" for s in sizes)
             )

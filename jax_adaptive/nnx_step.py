@@ -27,6 +27,7 @@ from jax_adaptive.errors import OptimizerStepOutOfMemory, SimulatedOutOfMemory, 
 from jax_adaptive.memory import Ledger, compile_measured, program_ledger, tree_bytes
 from jax_adaptive.nnx_grad import Record, StepTrace, batch_position, tracing
 from jax_adaptive.normalizer import normalizer_problem
+from jax_adaptive.remat import RematChoices
 
 __all__ = ["AdaptiveNnxStep"]
 
@@ -79,7 +80,11 @@ class AdaptiveNnxStep:
     Args:
         step_fn: the step; its NNX object arguments are updated in place, the others are
             arrays (the batch among them); it returns arrays or nothing. It must call
-            `micro_batch_value_and_grad` the same way on every trace.
+            `micro_batch_value_and_grad` the same way on every trace. Or a
+            `jax_adaptive.RematChoices` of such steps, one per remat policy (the same step,
+            its loss running the model's layers under each policy): the gradient's plan
+            takes the policy with the fewest micro-steps (docs/memory.md); the update runs
+            the chosen step.
         batch_argnum: the batch's position; None: the one argument not an NNX object.
         **step_kwargs: `jax_adaptive.AdaptiveStep`'s options (``memory_limit``,
             ``multiple_of``, ``plan_cache``, ...); ``multiple_of`` follows the ghost batches
@@ -111,11 +116,15 @@ class AdaptiveNnxStep:
         (True, True)
     """
 
-    def __init__(self, step_fn: Callable[..., Any], *, batch_argnum: int | None = None,
-                 **step_kwargs: Any):  # fmt: skip
-        if not callable(step_fn):
-            raise TypeError(f"step_fn must be callable, got {step_fn!r}.")
-        self.step_fn = inspect.unwrap(step_fn)
+    def __init__(self, step_fn: Callable[..., Any] | RematChoices[Callable[..., Any]], *,
+                 batch_argnum: int | None = None, **step_kwargs: Any):  # fmt: skip
+        # Several steps, one per remat policy: the gradient's plan picks one (`_discover`).
+        steps = step_fn if isinstance(step_fn, RematChoices) else {None: step_fn}
+        for fn in steps.values():
+            if not callable(fn):
+                raise TypeError(f"step_fn must be callable, got {fn!r}.")
+        self._step_fns = {name: inspect.unwrap(fn) for name, fn in steps.items()}
+        self.step_fn = next(iter(self._step_fns.values()))
         self.batch_argnum = batch_argnum
         self.step_kwargs = step_kwargs
         self._programs: dict[tuple[Any, int], _Programs] = {}  # by graph and batch size
@@ -208,13 +217,16 @@ class AdaptiveNnxStep:
     # ------------------------------------------------------------ the two programs
 
     def _traced(self, where: tuple[Any, int, int], trace: StepTrace, state: Any, batch: Any,
-                others: tuple[Any, ...]) -> tuple[Any, Any]:  # fmt: skip
-        """The step's Python function on objects of ``state``, under ``trace``: (objects, out)."""
+                others: tuple[Any, ...], policy: str | None = None) -> tuple[Any, Any]:  # fmt: skip
+        """The step's Python function on objects of ``state``, under ``trace``: (objects, out).
+
+        ``policy``: which remat choice's step (None: the first, or the only one).
+        """
         graphdef, b, n = where
         nodes, rest = nnx.merge(graphdef, state), iter(others)
         args = [batch if i == b else nodes[i] if i in nodes else next(rest) for i in range(n)]
         with tracing(trace):
-            out = self.step_fn(*args)
+            out = (self.step_fn if policy is None else self._step_fns[policy])(*args)
         return nodes, out
 
     def _discover(self, graphdef: Any, b: int, n: int, state: Any, batch: Any,
@@ -225,15 +237,17 @@ class AdaptiveNnxStep:
         kwargs = dict(self.step_kwargs)
         multiple_of = math.lcm(kwargs.pop("multiple_of", 1), *trace.ghost_sizes)
 
-        def build(size: int) -> Callable[..., Any]:
+        def build(policy: str | None, size: int) -> Callable[..., Any]:
             def gradient(state: Any, batch: Any, others: tuple[Any, ...]) -> Any:
                 trace = StepTrace(size)
-                self._traced(where, trace, state, batch, others)
+                self._traced(where, trace, state, batch, others, policy)
                 return tuple(trace.records), tuple(trace.checks)
 
             return jax.jit(gradient)  # donates nothing: a failed run loses nothing
 
-        gradient = AdaptiveStep(build, batch_argnum=1, multiple_of=multiple_of, **kwargs)
+        builders = {name: functools.partial(build, name) for name in self._step_fns}
+        build_step = builders[None] if None in builders else RematChoices(builders)
+        gradient = AdaptiveStep(build_step, batch_argnum=1, multiple_of=multiple_of, **kwargs)
         gradient.fault_hook = self._fault_hook
         if not trace.records:
             log.warning(
@@ -282,10 +296,12 @@ class AdaptiveNnxStep:
     def _compile_update(self, programs: _Programs, where: tuple[Any, int, int],
                         args: tuple[Any, ...]) -> _Update:  # fmt: skip
         """The update compiled for ``args``, donating its state only if twice does not fit."""
+        remat = programs.gradient.remat  # the chosen step's update (None: the first's)
+        policy = None if remat is None else remat.policy
 
         def update(state: Any, batch: Any, others: tuple[Any, ...], records: Any) -> Any:
             trace = StepTrace(None, replay=records)
-            nodes, out = self._traced(where, trace, state, batch, others)
+            nodes, out = self._traced(where, trace, state, batch, others, policy)
             if len(trace.records) != len(records):
                 raise RuntimeError(
                     f"the step called micro_batch_value_and_grad {len(trace.records)} times "

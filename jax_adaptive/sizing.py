@@ -222,6 +222,10 @@ class Binding:
         self._ahead = {s: f for s, f in self._ahead.items() if s == size}
         self._lowered = {s: low for s, low in self._lowered.items() if s == size}
 
+    def release(self) -> None:
+        """Frees the programs of every size (not their measures): a program no longer run."""
+        self._programs, self._ahead, self._lowered = {}, {}, {}
+
     # ------------------------------------------------------------ deciding sizes
 
     def fits(self, size: int, reason: str) -> bool:
@@ -356,7 +360,7 @@ class Binding:
         seconds; sizes other than the fastest, returned, are freed by the client's `use`.
         """
         sizes = candidate_sizes(T, largest, multiple_of)
-        self.timed = fastest(sizes, time_once, T)
+        self.timed = fastest(sizes, time_once, T, multiple_of=multiple_of)
         log.info("timed plans: %s", self.timed)
         return self.timed.chosen
 

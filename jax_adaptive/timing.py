@@ -166,15 +166,17 @@ class Timing:
     A screening pass runs the sizes in order, each once to warm up and then
     `SCREEN_RUNS` times (the least kept), and stops early once two sizes in a row are
     slower than the best so far, or one by `GIVE_UP`: time per update falls with the size
-    and then rises. The sizes within `CLOSE` of the best then run ``rounds`` interleaved
-    rounds, so that a moment's load weighs on all of them; the least median wins, the
-    first size (the default plan) unless another wins by over `KEEP_DEFAULT`. A size that
-    ran out of memory is left out; when the first one does, nothing is timed and the
-    first is chosen.
+    and then rises. The best one's neighbourhood is screened too: the step counts halfway
+    to its neighbours (`_between`). The sizes within `CLOSE` of the best then run
+    ``rounds`` interleaved rounds, so that a moment's load weighs on all of them; the
+    least median wins, the first size (the default plan) unless another wins by over
+    `KEEP_DEFAULT`. A size that ran out of memory is left out; when the first one does,
+    nothing is timed and the first is chosen.
 
     Args:
         sizes: the candidates, the default plan first (`candidate_sizes`).
         target_batch_size: the examples per update.
+        multiple_of: every size's multiple (of the sizes between candidates too).
         rounds: the interleaved rounds.
         online: whether the runs are training (the cost then leaves out what the chosen
             plan would have taken for them).
@@ -185,20 +187,22 @@ class Timing:
 
     Examples:
         >>> timing = Timing([683, 512, 256], 2048)
-        >>> while timing.size is not None:
-        ...     timing.record(timing.size, {683: 0.5, 512: 0.46, 256: 0.48}[timing.size])
-        >>> timing.result.chosen
-        512
+        >>> asked = []
+        >>> while timing.size is not None:  # an update's seconds: least at 400 examples
+        ...     asked.append(timing.size)
+        ...     timing.record(timing.size, 0.4 + abs(timing.size - 400) / 1000)
+        >>> timing.result.chosen, sorted(set(asked))  # 342 x 6: between 512 x 4 and 256 x 8
+        (342, [256, 342, 512, 683])
     """
 
     def __init__(
-        self, sizes: list[int], target_batch_size: int, *, rounds: int = ROUNDS,
-        online: bool = False,
+        self, sizes: list[int], target_batch_size: int, *, multiple_of: int = 1,
+        rounds: int = ROUNDS, online: bool = False,
     ):  # fmt: skip
         if not sizes:
             raise ValueError("Timing needs at least one size.")
         self.sizes, self.target_batch_size, self.rounds = sizes, target_batch_size, rounds
-        self.online = online
+        self.multiple_of, self.online = multiple_of, online
         self.result: Timed | None = None
         self._spent: list[float] = []  # each run's seconds, compile and all
         self._runs: list[float] = []  # each run's own seconds
@@ -248,6 +252,15 @@ class Timing:
             slower = slower + 1 if screened[size] > best else 0
             if slower == 2 or screened[size] > best * (1 + GIVE_UP):
                 break
+        for size in self._between(min(screened, key=screened.get)):
+            runs = []
+            for _ in range(1 + SCREEN_RUNS):
+                seconds = yield size
+                if seconds is None:
+                    break
+                runs.append(seconds)
+            if len(runs) > SCREEN_RUNS:
+                screened[size] = min(runs[1:])
         best = min(screened.values())
         close = [s for s, t in screened.items() if t <= best * (1 + CLOSE)]
         rounds: dict[int, list[float]] = {size: [] for size in close}
@@ -265,6 +278,22 @@ class Timing:
             chosen = default
         return self._timed(chosen, {s: medians.get(s, t) for s, t in screened.items()})
 
+    def _between(self, best: int) -> list[int]:
+        """Sizes between ``best`` and its neighbours among the candidates, by step count.
+
+        The candidates halve the size; the fastest may lie between two of them (a CPU's
+        cache, a GPU's tiles): the step count halfway (geometrically) to each neighbour.
+        """
+        T, sizes, i = self.target_batch_size, self.sizes, self.sizes.index(best)
+        steps = math.ceil(T / best)
+        found = []
+        for neighbour in sizes[max(i - 1, 0) : i] + sizes[i + 1 : i + 2]:
+            n = round(math.sqrt(steps * math.ceil(T / neighbour)))
+            size = _size_for(T, n, max(best, neighbour), self.multiple_of)
+            if size not in sizes and size not in found and size >= self.multiple_of:
+                found.append(size)
+        return found
+
     def _timed(self, chosen: int, seconds: dict[int, float]) -> Timed:
         cost = sum(self._spent)
         if self.online and chosen in seconds:  # the runs trained: count only the excess
@@ -275,7 +304,7 @@ class Timing:
 
 def fastest(
     sizes: list[int], time_once: Callable[[int], float], target_batch_size: int,
-    *, rounds: int = ROUNDS,
+    *, multiple_of: int = 1, rounds: int = ROUNDS,
 ) -> Timed:  # fmt: skip
     """Times the sizes offline, one run at a time as a `Timing` asks; the `Timed` result.
 
@@ -284,17 +313,19 @@ def fastest(
         time_once: ``time_once(size)`` runs one update at ``size`` and returns its
             seconds; an out-of-memory leaves the size out, any other error propagates.
         target_batch_size: the examples per update.
+        multiple_of: every size's multiple.
         rounds: the interleaved rounds.
 
     Returns:
         The `Timed` plans.
 
     Examples:
-        >>> cost = {683: 0.50, 512: 0.46, 256: 0.40, 128: 0.45, 64: 0.6}  # per update
-        >>> print(fastest([683, 512, 256, 128, 64], cost.get, 2048).chosen)
-        256
+        >>> def seconds(size):  # an update's: least at 200 examples
+        ...     return 0.4 + abs(size - 200) / 1000
+        >>> print(fastest([683, 512, 256, 128, 64], seconds, 2048).chosen)  # 187 x 11
+        187
     """
-    timing = Timing(sizes, target_batch_size, rounds=rounds)
+    timing = Timing(sizes, target_batch_size, multiple_of=multiple_of, rounds=rounds)
     while timing.size is not None:
         size, start = timing.size, time.perf_counter()
         seconds, error = catch_oom(functools.partial(time_once, size))
