@@ -168,8 +168,9 @@ class Timing:
     slower than the best so far, or one by `GIVE_UP`: time per update falls with the size
     and then rises. The best one's neighbourhood is screened too: the step counts halfway
     to its neighbours (`_between`). The sizes within `CLOSE` of the best then run
-    ``rounds`` interleaved rounds, so that a moment's load weighs on all of them; the
-    least median wins, the first size (the default plan) unless another wins by over
+    ``rounds`` interleaved rounds, with the default plan (screened first, on the
+    coldest caches), so that a moment's load weighs on all of them; the least median
+    wins, the first size (the default plan) unless another wins by over
     `KEEP_DEFAULT`. A size that ran out of memory is left out; when the first one does,
     nothing is timed and the first is chosen.
 
@@ -262,7 +263,8 @@ class Timing:
             if len(runs) > SCREEN_RUNS:
                 screened[size] = min(runs[1:])
         best = min(screened.values())
-        close = [s for s, t in screened.items() if t <= best * (1 + CLOSE)]
+        # the default always runs the rounds: screened first, it ran on the coldest caches
+        close = [s for s, t in screened.items() if t <= best * (1 + CLOSE) or s == self.sizes[0]]
         rounds: dict[int, list[float]] = {size: [] for size in close}
         for _ in range(self.rounds if len(close) > 1 else 0):
             for size in [s for s in close if s in rounds]:
