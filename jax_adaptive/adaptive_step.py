@@ -293,7 +293,11 @@ class AdaptiveStep:
             self._signature = signature
             i = self.batch_argnum
             self._sharding = describe_sharding(args[:i] + args[i + 1 :])
-            self._plan_shape(args, signature)
+            try:
+                self._plan_shape(args, signature)
+            except BaseException:  # not planned: the next call with these shapes plans again
+                self._signature = None
+                raise
         if self._replan:
             self._replan = False
             self._use(self._largest("memory limit raised"), "the memory limit was raised")

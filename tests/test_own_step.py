@@ -137,6 +137,11 @@ def test_nothing_fits_below_the_state_and_batch(brute_force):
     step = ja.AdaptiveStep(_build, memory_limit=brute_force[1] - 1, plan_cache=False)
     with pytest.raises(ja.NothingFitsError, match="micro-batch 1 needs"):
         step.plan(_state(), _batch())
+    with pytest.raises(ja.NothingFitsError, match="micro-batch 1 needs"):  # asked again
+        step(_state(), _batch())
+    step.set_memory_limit(brute_force[1])  # room now: the same shapes plan and run
+    state, _ = step(_state(), _batch())
+    assert step.micro_batch_size == 1
 
 
 def test_an_injected_oom_replans_and_gives_the_fault_free_result(brute_force):
