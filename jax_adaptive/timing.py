@@ -24,14 +24,15 @@ from jax_adaptive.plan import least_padding_size
 
 __all__ = ["Timed", "Timing", "candidate_sizes", "fastest"]
 
-MOST = 6
-"""Candidates timed at most (each costs a compile, which dwarfs its runs)."""
+MOST = 12
+"""Candidates at most: a factor of 2 ** 10 below the default plan. The screening's early
+stop bounds what is compiled: two past the fastest."""
 
 SCREEN_RUNS = 2
 """Timed updates per candidate in the screening pass, after one that warms up (its first
 run allocates)."""
 
-ROUNDS = 5
+ROUNDS = 7
 """Interleaved rounds over the close candidates: the median of each decides."""
 
 CLOSE = 0.10
@@ -40,8 +41,11 @@ CLOSE = 0.10
 GIVE_UP = 0.25
 """A screened size this much slower than the best ends the screening at once."""
 
-KEEP_DEFAULT = 0.01
-"""The default plan (the fewest micro-steps) is kept unless another wins by more."""
+KEEP_DEFAULT = 0.03
+"""The default plan (the fewest micro-steps) is kept unless another wins by more: a
+moment's load moves medians by a few percent on a shared host (measured: 3-5% between
+two timings of the same sizes on this project's 2-core CPU), and a switch that wins
+less than this gains little and may lose it."""
 
 
 def _size_for(T: int, steps: int, largest: int, multiple: int) -> int:
@@ -60,7 +64,8 @@ def candidate_sizes(T: int, largest: int, multiple_of: int = 1, most: int = MOST
     default plan) and of ``k + 1`` (a rounder size, often), then of the step counts that a
     power-of-two size ``p <= T / k`` would take (``ceil(T / p)``): the sizes a halving
     search lands on, where caches and tiles favour a smaller size. Each with the least
-    padding its step count allows; at most ``most``, none below ``multiple_of``.
+    padding its step count allows; at most ``most``, none below ``multiple_of``. A
+    `Timing` stops at the second past the fastest, so few of them are ever compiled.
 
     Args:
         T: the examples per update.
@@ -72,7 +77,7 @@ def candidate_sizes(T: int, largest: int, multiple_of: int = 1, most: int = MOST
         Distinct sizes, in order of their step counts.
 
     Examples:
-        >>> candidate_sizes(2048, 700)  # 683 x 3, 512 x 4, 256 x 8, 128 x 16, ...
+        >>> candidate_sizes(2048, 700, most=6)  # 683 x 3, 512 x 4, 256 x 8, 128 x 16, ...
         [683, 512, 256, 128, 64, 32]
         >>> candidate_sizes(100, 48, multiple_of=8)
         [40, 32, 16, 8]
@@ -91,7 +96,7 @@ class Timed(NamedTuple):
     """The timed plans and the one chosen.
 
     Attributes:
-        chosen: the fastest size (the default unless another won by over 1%).
+        chosen: the fastest size (the default unless another won by over 3%).
         default: the size of the fewest micro-steps (the plan without timing).
         seconds: ``(size, seconds per update)`` of each size timed, in timing order (a
             size that ran out of memory is absent).
@@ -133,7 +138,7 @@ class Timed(NamedTuple):
         each = ", ".join(f"{self.plan(s)} {t:.3g} s" for s, t in self.seconds)
         won = f"{self.speedup:.3g}x the speed of {self.plan(self.default)}"
         if self.chosen == self.default:
-            won = "the default, no other faster by over 1%"
+            won = f"the default, no other faster by over {KEEP_DEFAULT:.0%}"
         how = f"timing took {self.cost:.1f} s" if self.source == "timed" else self.source
         return f"{self.plan(self.chosen)} timed fastest of {each} per update: {won} ({how})"
 

@@ -76,14 +76,14 @@ def test_candidates_fit_decrease_and_start_at_the_default_plan(T, fraction, mult
     default = min(s for s in range(multiple, largest + 1, multiple) if math.ceil(T / s) == steps)
     assert sizes[0] == default
     assert all(s % multiple == 0 and multiple <= s <= largest for s in sizes)
-    assert sizes == sorted(set(sizes), reverse=True) and len(sizes) <= 6
+    assert sizes == sorted(set(sizes), reverse=True) and len(sizes) <= 12
 
 
 @given(valley=st.floats(1.0, 2048.0), slope=st.floats(0.05, 2.0), T=st.sampled_from([64, 2048]))
 @settings(max_examples=200, deadline=None)
 def test_fastest_finds_the_valley_of_a_curve_that_falls_then_rises(valley, slope, T):
     """Without noise, the choice is the brute-force best of every candidate and of the
-    sizes it timed (or the default plan, within 1%)."""
+    sizes it timed (or the default plan, within KEEP_DEFAULT)."""
     largest = T * 3 // 4
 
     def seconds(size):  # per update, least at ``valley`` examples

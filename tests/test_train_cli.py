@@ -47,6 +47,7 @@ def test_default_job_searches_accumulates_evaluates_and_learns(tmp_path):
     assert lines[1].startswith("plan: ") and steps > 1 and micro * steps >= 256, lines[1]
     said = lines[0].split()[4]  # the plan line says the simulated device too
     assert lines[1].endswith(f"; a simulated device of {said} MB"), lines[1]
+    assert "; objective least_padding (auto: 12 updates, fewer than 1000); " in lines[1]
     searched = _compiles(lines[1], " size")
     assert searched >= 2 and "plan cache" not in lines[1]  # a search, not a cached plan
     updates = [line for line in lines if line.startswith("update")]
@@ -935,3 +936,12 @@ def test_help_shows_every_flags_default():
         if action.option_strings and action.nargs != 0:  # a switch's default is its absence
             help_text = parser._get_formatter()._get_help_string(action)
             assert "default" in help_text, action.option_strings[0]
+
+
+def test_objective_auto_times_the_plans_of_a_long_run_only():
+    assert TrainConfig(updates=999).chosen_objective() == (
+        "least_padding", "auto: 999 updates, fewer than 1000"
+    )  # fmt: skip
+    assert TrainConfig(updates=1000).chosen_objective()[0] == "throughput"
+    assert TrainConfig(updates=5000, epochs=2).chosen_objective()[0] == "least_padding"
+    assert TrainConfig(updates=5000, objective="max").chosen_objective() == ("max", None)

@@ -38,7 +38,12 @@ _ZOO = {  # each zoo image model: its class in jax_adaptive.models, the variable
 }
 MODEL_NAMES = (*_ZOO, "gpt")  # the choices of --model
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")  # the choices of --optimizer: optax's names
-OBJECTIVES = ("least_padding", "max", "throughput")  # the choices of --objective
+OBJECTIVES = ("auto", "least_padding", "max", "throughput")  # the choices of --objective
+
+LONG_RUN = 1000
+"""Updates from which ``--objective auto`` times the plans (``throughput``): the timing
+costs a few seconds of compiles and slower updates, a small share of such a run
+(``python experiments/plan_speed.py`` reports it as a share of 1,000 updates)."""
 _MAX_T = checks.MAX_TARGET_BATCH_SIZE  # the largest target batch the micro-step counts
 
 
@@ -82,7 +87,7 @@ class TrainConfig:
     updates: int = 20
     epochs: float | None = None
     seed: int = 0
-    objective: str = "least_padding"
+    objective: str = "auto"  # auto: throughput for LONG_RUN updates or more
     multiple_of: int | None = None  # None: the ghost batch of a BatchNorm model, else 1
     ghost_batch_size: int | None = None  # zoo ResNets' BatchNorm groups; None: `ghost_batch_size`
     eval_every: int = 10  # held-out evaluation every N updates and at the end; 0: none
@@ -100,6 +105,23 @@ class TrainConfig:
     distributed: str | None = None  # "auto" or "HOST:PORT,PROCESSES,ID": jax.distributed
     distributed_timeout: int = 45  # seconds: for every process to join, for a silent one
     tensorboard: bool = False  # each update's scalars as TensorBoard event files in workdir
+
+    def chosen_objective(self) -> tuple[str, str | None]:
+        """The trainer's objective, and why when ``"auto"`` chose it (else None).
+
+        Examples:
+            >>> TrainConfig(updates=20).chosen_objective()[0]
+            'least_padding'
+            >>> TrainConfig(updates=5000).chosen_objective()
+            ('throughput', 'auto: 5000 updates, at least 1000')
+        """
+        if self.objective != "auto":
+            return self.objective, None
+        if self.epochs is None and self.updates >= LONG_RUN:
+            return "throughput", f"auto: {self.updates} updates, at least {LONG_RUN}"
+        if self.epochs is not None:
+            return "least_padding", f"auto: {self.epochs} epochs, a length not known yet"
+        return "least_padding", f"auto: {self.updates} updates, fewer than {LONG_RUN}"
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.

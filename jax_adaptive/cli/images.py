@@ -162,6 +162,7 @@ def _plan_line(
     ghost: int | None, device: str,
 ) -> str:  # fmt: skip
     largest, where = trainer.plan_info.largest, search["from_plan_cache"]
+    objective, why = config.chosen_objective()
     return (
         f"plan: micro-batch {trainer.micro_batch_size} x {trainer.accumulation_steps} "
         f"accumulation steps = target batch {trainer.target_batch_size}; "
@@ -174,6 +175,7 @@ def _plan_line(
            if largest not in (None, trainer.micro_batch_size) else "")
         + (f" ({bound})" if (bound := trainer.plan_info.bound()) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
+        + (f"; objective {objective} ({why})" if why else "")
         + f"; {device}"
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
         + (f"; BatchNorm over ghost batches of {ghost}" if ghost else "")
@@ -208,7 +210,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size, memory_limit=limit,
         multiple_of=multiple_of(config, model), has_aux=True, has_state=bool(model.mutable),
-        objective=config.objective, plan_cache=config.plan_cache_arg(),
+        objective=config.chosen_objective()[0], plan_cache=config.plan_cache_arg(),
         mesh=data_mesh() if config.data_parallel else None,
     )  # fmt: skip
     start = time.perf_counter()

@@ -289,9 +289,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--allow-nonfinite", action="store_true",
         help="go on when an update's loss is NaN or infinite (by default the run stops "
         "there, exit status 2)")
-    add("--objective", choices=OBJECTIVES, default="least_padding",
+    add("--objective", choices=OBJECTIVES, default="auto",
         help="least_padding: the fewest micro-steps the largest size that fits "
-        "allows, with the least padding; max: the largest itself; throughput: the fastest")
+        "allows, with the least padding; max: the largest itself; throughput: the fastest "
+        "of a few plans, timed; auto: throughput for a run of 1000 updates or more, else "
+        "least_padding")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--plan-cache", metavar="FILE", default=None,
                        help="where plans are remembered (default: the workdir's plans.json, "
