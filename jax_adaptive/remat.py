@@ -20,6 +20,7 @@ import jax
 
 from jax_adaptive.errors import NothingFitsError
 from jax_adaptive.plan_cache import PlanCache, plan_key
+from jax_adaptive.timing import KEEP_DEFAULT
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -27,6 +28,7 @@ __all__ = [
     "RematChoices",
     "RematPolicy",
     "choose_policy",
+    "fastest_policy",
     "maybe_checkpoint",
     "plan_policies",
 ]
@@ -146,6 +148,7 @@ class RematChoice(NamedTuple):
     sizes: tuple[tuple[str, int | None], ...]
     target_batch_size: int
     source: str = "searched"
+    seconds: tuple[tuple[str, float], ...] = ()
 
     def __str__(self) -> str:
         T = self.target_batch_size
@@ -153,7 +156,9 @@ class RematChoice(NamedTuple):
             f"{name} nothing fits" if size is None else f"{name} {size} x {math.ceil(T / size)}"
             for name, size in self.sizes
         )
-        return f"{self.policy} (micro-batch by policy: {each})"
+        timed = ", ".join(f"{name} {s:.3g} s" for name, s in self.seconds)
+        timed = timed and f"; timed per update: {timed}"
+        return f"{self.policy} (micro-batch by policy: {each}{timed})"
 
 
 def choose_policy(sizes: Sequence[tuple[str, int | None]], target_batch_size: int) -> str:
@@ -182,6 +187,22 @@ def choose_policy(sizes: Sequence[tuple[str, int | None]], target_batch_size: in
     return min(fitting)[2]
 
 
+def fastest_policy(ruled: str, seconds: Mapping[str, float]) -> str:
+    """The policy whose plan's update was timed fastest.
+
+    ``ruled`` (`choose_policy`'s) unless another wins by over
+    `jax_adaptive.timing.KEEP_DEFAULT`.
+
+    Examples:
+        >>> fastest_policy("full", {"none": 0.30, "full": 0.40})  # fewer steps, but slower
+        'none'
+        >>> fastest_policy("full", {"none": 0.395, "full": 0.40})  # within 3%: the rule's
+        'full'
+    """
+    best = min(seconds, key=seconds.get)
+    return ruled if seconds[ruled] <= seconds[best] * (1 + KEEP_DEFAULT) else best
+
+
 def plan_policies(
     plan: Callable[[str], int],
     policies: Sequence[str],
@@ -190,8 +211,12 @@ def plan_policies(
     cache: PlanCache | None = None,
     keys: Callable[[], Sequence[str]] | None = None,
     log: Callable[[str], None] | None = None,
+    seconds: Callable[[str], float | None] | None = None,
 ) -> RematChoice:
-    """Plans each policy through ``plan`` and chooses one (`choose_policy`).
+    """Plans each policy through ``plan`` and chooses one.
+
+    The choice is `choose_policy`'s, or by measured speed where ``seconds`` has every
+    fitting policy's (`fastest_policy`).
 
     Policies are planned in order; once one runs the whole target batch in one
     micro-step no later one is planned (it could only tie and recompute more). With a
@@ -209,6 +234,9 @@ def plan_policies(
         keys: ``() -> [str]``: each policy's plan cache key (its program, the device,
             the limits, what else decides its plan), whose list keys the choice.
         log: called with the choice in words.
+        seconds: ``seconds(name)``: the time per update of that policy's plan, measured
+            (``objective="throughput"``), or None; when every policy that fits has one,
+            the fastest is chosen (`fastest_policy`).
 
     Returns:
         The `RematChoice`.
@@ -233,13 +261,16 @@ def plan_policies(
         name = stored["remat_policy"]
         plan(name)
         sizes = tuple((n, s) for n, s in stored.get("remat_sizes", [[name, None]]))
-        choice = RematChoice(name, sizes, target_batch_size, "plan cache")
+        timed = tuple((n, s) for n, s in stored.get("remat_seconds", []))
+        choice = RematChoice(name, sizes, target_batch_size, "plan cache", timed)
     else:
         choice = _planned(plan, policies, target_batch_size)
+        choice = choice if seconds is None else _timed(choice, seconds)
         if key is not None:
             size = dict(choice.sizes)[choice.policy]
             cache.put(key, {"micro_batch_size": size, "remat_policy": choice.policy,
-                              "remat_sizes": [list(pair) for pair in choice.sizes]})  # fmt: skip
+                            "remat_sizes": [list(pair) for pair in choice.sizes],
+                            "remat_seconds": [list(pair) for pair in choice.seconds]})  # fmt: skip
     if log is not None:
         log(f"remat policy {choice}")
     return choice
@@ -265,3 +296,13 @@ def _planned(plan: Callable[[str], int], policies: Sequence[str], T: int) -> Rem
             error.smallest, error.trials, detail=f"{detail}, {error.detail or 'none either'}"
         ) from error
     return RematChoice(choose_policy(sizes, T), tuple(sizes), T)
+
+
+def _timed(choice: RematChoice, seconds: Callable[[str], float | None]) -> RematChoice:
+    """``choice`` by measured speed, when every policy that fits was timed."""
+    fitting = [name for name, size in choice.sizes if size is not None]
+    timed = {name: seconds(name) for name in fitting}
+    if len(timed) < 2 or None in timed.values():
+        return choice
+    policy = fastest_policy(choice.policy, timed)
+    return choice._replace(policy=policy, seconds=tuple(timed.items()))

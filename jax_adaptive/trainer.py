@@ -237,6 +237,11 @@ class AdaptiveTrainer:
         return plan if self._remat is None else plan._replace(remat=str(self._remat))
 
     @property
+    def remat(self) -> RematChoice | None:
+        """The remat policy chosen and why (None: one loss, no choice)."""
+        return self._remat
+
+    @property
     def compiled_sizes(self) -> list[int]:
         """The sizes whose compiled micro-step is held now (the size in use, after a plan)."""
         return self._executables.compiled_sizes()
@@ -304,12 +309,17 @@ class AdaptiveTrainer:
             lambda name: self._levers[name][1].plan_for(state, T), list(self._levers), T,
             cache=self.plan_cache,
             keys=lambda: [ex.program.key() for ex, _, _ in self._levers.values()],
-            log=log.info,
+            log=log.info, seconds=self._timed_seconds,
         )  # fmt: skip
         self._executables, self._planner, self._updater = self._levers[self._remat.policy]
         for ex, _, _ in self._levers.values():
             if ex is not self._executables:
                 ex.release(keep=())  # the programs of the policies not chosen
+
+    def _timed_seconds(self, policy: str) -> float | None:
+        """A remat policy's time per update at its plan (``objective="throughput"``), or None."""
+        timed = self._levers[policy][1].program.timed
+        return None if timed is None else dict(timed.seconds).get(timed.chosen)
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).

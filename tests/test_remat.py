@@ -125,6 +125,21 @@ def test_a_second_run_takes_the_choice_from_the_plan_cache_and_compiles_no_size(
     assert "full" in second_plan.remat and "none nothing fits" in second_plan.remat
 
 
+def test_throughput_chooses_the_policy_by_measured_speed_and_stays_exact():
+    # 1 MB: without remat 2 fits (4 micro-steps), with it the whole batch (1): the rule
+    # takes remat; timed, the faster per update is taken unless remat is within 3%.
+    batches = token_batches(2, seed=2)
+    trainer, plan, state = train(1_000_000, batches, plan_cache=False, objective="throughput")
+    timed = dict(trainer.remat.seconds)  # each policy's plan, timed per update
+    assert set(timed) == {"none", "full"} and "timed per update: none" in plan.remat
+    faster = min(timed, key=timed.get)
+    assert trainer.remat.policy == (faster if timed["full"] > timed[faster] * 1.03 else "full")
+    reference = full_batch_reference(
+        make_loss(None), optax.adam(1e-2), init_params(jax.random.key(0)), batches
+    )
+    assert_trees_close(state.params, reference, 1e-5)
+
+
 def test_when_no_policy_fits_the_error_names_them():
     with pytest.raises(ja.NothingFitsError, match=r"not under any remat policy \(none, full\)"):
         train(100_000, token_batches(1), plan_cache=False)
