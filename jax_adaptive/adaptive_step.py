@@ -190,8 +190,10 @@ class AdaptiveStep:
         steps = math.ceil(self._batch_size / size)
         timed = program.timed if program.timed and program.timed.chosen == size else None
         remat = None if self.remat is None else str(self.remat)
+        search = None if program.search is None else str(program.search)
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
-                    remat=remat, sharding=self._sharding, timed=timed and str(timed))  # fmt: skip
+                    remat=remat, sharding=self._sharding, timed=timed and str(timed),
+                    search=search)  # fmt: skip
 
     @property
     def timed(self) -> Timed | None:

@@ -12,6 +12,7 @@ __all__ = [
     "Collectives",
     "Objective",
     "Plan",
+    "SearchCost",
     "SizeTrial",
     "chunk_length",
     "least_padding_size",
@@ -69,6 +70,32 @@ class SizeTrial(NamedTuple):
             need += " bytes" if capacity is None else f" of {capacity:,} bytes"
         how = _DECIDED[self.decided_by].format(seconds=self.seconds)
         return f"{what} {self.size} {verdict}: {need} ({how}; {self.reason})"
+
+
+class SearchCost(NamedTuple):
+    """What a search for the largest size cost, against one compile of the size it found.
+
+    Attributes:
+        seconds: its wall time (tracing, compiling, measuring).
+        compiles: the sizes it compiled.
+        size: the size it found.
+        one_compile: the seconds compiling that size took (None: not compiled by it).
+
+    Examples:
+        >>> print(SearchCost(6.6, 4, 108, 2.1))
+        search 6.6 s, 4 compiles (3.1x one compile of 108)
+    """
+
+    seconds: float
+    compiles: int
+    size: int
+    one_compile: float | None
+
+    def __str__(self) -> str:
+        words = f"search {self.seconds:.1f} s, {self.compiles} compile{'s' * (self.compiles != 1)}"
+        if self.one_compile:
+            words += f" ({self.seconds / self.one_compile:.1f}x one compile of {self.size})"
+        return words
 
 
 class Collectives(NamedTuple):
@@ -140,6 +167,8 @@ class Plan(NamedTuple):
             one device.
         timed: the plans timed and the one chosen, in words (`jax_adaptive.timing.Timed`,
             ``objective="throughput"``); None when the plan was not timed.
+        search: what the search for the largest size cost (`SearchCost`), in words;
+            None when no search ran (a fixed size, the plan cache).
 
     Examples:
         >>> ledger = Ledger(state=1_000, in_flight=200, program=300)
@@ -162,6 +191,7 @@ the optimizer step in the last program
     remat: str | None = None
     sharding: str | None = None
     timed: str | None = None
+    search: str | None = None
 
     def bound(self) -> str | None:
         """Which process bound the plan and how much further the others could have gone.
@@ -212,6 +242,8 @@ the optimizer step in the last program
             words.append(self.sharding)
         if self.collectives is not None and (said := self.collectives.describe(k)):
             words.append(said)
+        if self.search is not None:
+            words.append(self.search)
         return ", ".join(words)
 
 

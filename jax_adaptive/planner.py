@@ -170,6 +170,7 @@ class Planner:
             getattr(self.sizing.agree, "found", None),  # an `Agreement`'s, several processes
             self.executables.collectives(self.size),
             timed=str(timed) if timed and timed.chosen == self.size else None,
+            search=None if self.program.search is None else str(self.program.search),
         )
 
     def _peak(self) -> Ledger:

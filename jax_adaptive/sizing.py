@@ -43,7 +43,7 @@ from jax_adaptive.memory import (
     usable_capacity,
     wait_for_release,
 )
-from jax_adaptive.plan import DecidedBy, SizeTrial
+from jax_adaptive.plan import DecidedBy, SearchCost, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
 from jax_adaptive.search import search_max_size
 from jax_adaptive.timing import Timed, candidate_sizes, fastest
@@ -121,6 +121,7 @@ class Binding:
         learned_cap: the capacity real out-of-memory errors taught, or None.
         timed: the plans timed for the size in use and the one chosen (`timed_fastest`,
             or the plan cache's), or None.
+        search: what the last search cost (`jax_adaptive.plan.SearchCost`), or None.
     """
 
     def __init__(self, engine: Sizing, sized: Sized):
@@ -131,6 +132,7 @@ class Binding:
         self.plans: dict[Hashable, int] = {}
         self.learned_cap: int | None = None
         self.timed: Timed | None = None
+        self.search: SearchCost | None = None
         self._ledgers: dict[int, Ledger] = {}
         self._lowered: dict[int, Any] = {}
         self._programs: dict[int, Executable] = {}
@@ -274,6 +276,8 @@ class Binding:
         # Without a capacity only a compile can fail (on a CPU, no limit): one at a time.
         width = self.engine.compile_workers if capacity is not None else 1
         rounds = {"width": width, "prepare": self.prepare}
+        start, compiles, trials = time.perf_counter(), self.engine.compiles, self.engine.search_log
+        seen = len(trials)
 
         try:
             try:
@@ -289,6 +293,11 @@ class Binding:
         except NothingFitsError as exc:
             raise self.nothing_fits(exc.smallest, exc.trials) from None
         self.largest = self.engine.agree(found.size)
+        one = [
+            t.seconds for t in trials[seen:] if t.size == found.size and t.decided_by == "estimate"
+        ]
+        self.search = SearchCost(time.perf_counter() - start, self.engine.compiles - compiles,
+                                 found.size, one[0] if one else None)  # fmt: skip
         return self.largest
 
     def _propose(self, capacity: int) -> Callable[[int | None, int | None], int | None]:

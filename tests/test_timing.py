@@ -163,6 +163,7 @@ def test_adaptive_step_times_candidates_in_its_first_calls_and_trains_exactly(tm
     assert replan.micro_batch_size == plan.micro_batch_size
     assert [trial.decided_by for trial in again.search_log] == ["plan cache"]
     assert again.compiles == 0 and "plan cache" in replan.timed
+    assert plan.search.startswith("search ") and replan.search is None  # nothing searched
 
 
 def test_trainer_throughput_times_the_candidates_and_stays_exact():

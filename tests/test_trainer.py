@@ -14,6 +14,7 @@ from helpers import (
 import jax_adaptive as ja
 from jax_adaptive.memory import memory_report
 from jax_adaptive.models import MLP, linen_classifier_loss
+from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.testing import inject_oom
 
 T = 12
@@ -506,3 +507,26 @@ def test_evaluate_passes_the_model_state_with_has_state():
     metrics = trainer.evaluate(state, [data], metric_fn)
     expected = 3.0 * np.mean(np.asarray(jax.jit(mlp_loss)(state.params, data, None), np.float64))
     np.testing.assert_allclose(metrics["scaled"], expected, rtol=1e-6)
+
+
+def test_the_plan_says_what_the_search_cost_and_a_cached_plan_searched_nothing(estimates, tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+
+    def planned():
+        trainer = ja.AdaptiveTrainer(
+            mlp_loss, optax.adam(1e-2), target_batch_size=T, memory_limit=estimates[5],
+            plan_cache=cache,
+        )  # fmt: skip
+        trainer.init(mlp_params(), regression_batches(1, T)[0])
+        return trainer
+
+    first = planned()
+    compiled = {t.size: t.seconds for t in first.search_log if t.decided_by == "estimate"}
+    search = first.plan_info.search
+    assert search.startswith("search ") and f", {len(compiled)} compiles" in search, search
+    ratio = float(search.split("(")[1].split("x")[0])
+    seconds = float(search.split()[1])
+    # 5: the largest found; the words round the seconds to 0.1 s and the ratio to 0.1
+    assert abs(ratio * compiled[5] - seconds) <= 0.05 + 0.05 * compiled[5], (search, compiled)
+    assert search in str(first.plan_info)
+    assert planned().plan_info.search is None  # from the plan cache: no search ran
