@@ -8,7 +8,6 @@ the program's estimate leaves out (pruned yet resident arguments: Adam's moments
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +26,6 @@ __all__ = [
     "device_bytes_in_use",
     "device_capacity",
     "estimate_peak_bytes",
-    "held_bytes",
     "learned_capacity",
     "memory_report",
     "others_bytes",
@@ -35,7 +33,6 @@ __all__ = [
     "program_ledger",
     "tree_bytes",
     "usable_capacity",
-    "wait_for_release",
 ]
 
 
@@ -207,56 +204,6 @@ def device_capacity(device: jax.Device | None = None) -> int | None:
 def device_bytes_in_use(device: jax.Device | None = None) -> int | None:
     """``memory_stats()["bytes_in_use"]``: every live array of this process; None on a CPU."""
     return _stat(device, "bytes_in_use")
-
-
-def held_bytes(device: jax.Device | None = None) -> int | None:
-    """What a release of buffers shrinks, in bytes (None where nothing says).
-
-    The device's bytes in use where it says (a GPU), else this process's address space
-    (Linux's ``/proc/self/statm``).
-
-    Examples:
-        >>> held_bytes(jax.devices("cpu")[0]) > 0  # a CPU: the process's address space
-        True
-    """
-    in_use = device_bytes_in_use(device)
-    if in_use is not None:
-        return in_use
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[0]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_PAGE = 4096 if not hasattr(os, "sysconf") else os.sysconf("SC_PAGE_SIZE")
-_SETTLE_POLL = 0.05
-
-
-def wait_for_release(
-    least: float, most: float, target: int | None = None, device: jax.Device | None = None
-) -> float:
-    """Waits ``least`` seconds, then until `held_bytes` is down to ``target``, up to ``most``.
-
-    The runtime returns released buffers on its own threads, later on a busy host: after
-    an out-of-memory, a run tried again before they are back fails again. ``target``: what
-    was held when the run last succeeded (None: wait ``least`` only). Returns the seconds
-    waited.
-
-    Examples:
-        >>> 0.01 <= wait_for_release(0.01, 0.5, target=held_bytes()) < 0.5
-        True
-        >>> 0.2 <= wait_for_release(0.0, 0.2, target=0)  # never that low: ``most``
-        True
-    """
-    start = time.monotonic()
-    time.sleep(least)
-    while target is not None and time.monotonic() - start < most:
-        held = held_bytes(device)
-        if held is None or held <= target:
-            break
-        time.sleep(_SETTLE_POLL)
-    return time.monotonic() - start
 
 
 def usable_capacity(

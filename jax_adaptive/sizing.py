@@ -36,15 +36,14 @@ from jax_adaptive.memory import (
     compile_measured,
     compile_side_by_side,
     device_capacity,
-    held_bytes,
     learned_capacity,
     others_bytes,
     program_ledger,
     usable_capacity,
-    wait_for_release,
 )
 from jax_adaptive.plan import DecidedBy, SearchCost, SizeTrial
 from jax_adaptive.plan_cache import PlanCache, plan_key
+from jax_adaptive.release import ReleaseWatch
 from jax_adaptive.search import search_max_size
 from jax_adaptive.timing import Timed, candidate_sizes, fastest
 
@@ -57,14 +56,6 @@ if not log.handlers:  # say what the search does unless the user set up this log
     log.addHandler(_handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-
-
-RELEASE_WAIT = 0.2
-"""Seconds a size that ran waits at least, after a real out-of-memory, before it runs once
-more; then on, up to `RELEASE_PATIENCE`, until the memory held (`held_bytes`) is down to
-the least it was when that size ran."""
-
-RELEASE_PATIENCE = 2.0
 
 
 def _compile_workers() -> int:
@@ -142,9 +133,7 @@ class Binding:
         self._real_ooms = 0  # real out-of-memory errors since `start`
         self._ran: set[Hashable] = set()  # what ran to its end (a size, a program's key)
         self._again = False  # a size that ran was given another run since `start`
-        self._held_at_start: int | None = None  # `held_bytes` when this call began
-        self._held_ran: dict[Hashable, int] = {}  # ... the least at which each one ran
-        self._settle_first = False  # a retry after the release ran: calls wait for it first
+        self._release = ReleaseWatch(engine.device)  # the last call's buffers coming back
 
     def guide_capacity(self) -> int | None:
         """The capacity the search aims under: the real one, or the learned one if lower."""
@@ -379,21 +368,12 @@ class Binding:
         """A new update, call or batch: its first real out-of-memory counts as the first.
 
         Once a size that ran failed and then ran after the release (`again`), each call
-        first waits for the memory held to come down to the least at which its size ran:
-        the runtime returns the last call's buffers on its own threads, and a call that
-        races them fails, every call (measured under RLIMIT_AS on a loaded CPU). A wait
-        that times out takes what is held then as the new level, so memory the user
-        keeps on the device costs one wait, not one per call.
+        first waits for the memory held to come down to the least at which its size ran
+        (`jax_adaptive.memory.ReleaseWatch`).
         """
         self._real_ooms = 0
         self._again = False
-        device, target = self.engine.device, self._held_ran.get(self.size)
-        settle = self._settle_first and target is not None
-        if settle:
-            wait_for_release(0.0, RELEASE_PATIENCE, target, device)
-        self._held_at_start = held = held_bytes(device)  # read once
-        if settle and held is not None and held > target:
-            self._held_ran[self.size] = held
+        self._release.start(self.size)
 
     def again(self, exc: BaseException, size: int, reason: str) -> bool:
         """Whether ``size``, which ran before and now ran out of memory, runs once more.
@@ -424,8 +404,7 @@ class Binding:
         # shrank in 3 of 5 runs without a wait, and still in 1 of 3 full CI runs with a
         # fixed 0.2 s. It waits while the memory held still falls; it costs only calls
         # that already ran out of memory.
-        device = self.engine.device
-        wait_for_release(RELEASE_WAIT, RELEASE_PATIENCE, self._held_ran.get(size), device)
+        self._release.retry(size)
         return True
 
     def forget_learned(self) -> None:
@@ -438,11 +417,7 @@ class Binding:
         if what is None:
             return
         self._ran.add(what)
-        if self._held_at_start is not None:
-            least = min(self._held_ran.get(what, self._held_at_start), self._held_at_start)
-            self._held_ran[what] = least
-        if self._again and not self._settle_first:
-            self._settle_first = True
+        if self._release.ran(what, retried=self._again):
             log.info(
                 "%s %s ran once the last call's buffers were released: from now on each call"
                 " waits for their release first", self.engine.what, what,
