@@ -26,7 +26,7 @@ from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
-from jax_adaptive.timing import Timed, Timing, candidate_sizes
+from jax_adaptive.timing import Timed, Timing, can_time, candidate_sizes
 
 __all__ = ["AdaptiveStep", "StepBuilder", "StepBuilders", "signature_of"]
 
@@ -407,7 +407,9 @@ class AdaptiveStep:
         """The next calls run and time the candidate plans (`jax_adaptive.timing.Timing`)."""
         program, T = self._program, self._batch_size
         sizes = candidate_sizes(T, program.largest, self.multiple_of)
-        if len(sizes) > 1:
+        if not can_time():
+            log.info("objective='throughput' times plans in one process only: least padding")
+        elif len(sizes) > 1:
             self._timing = Timing(sizes, T, multiple_of=self.multiple_of, online=True)
             log.info(
                 "the next calls time the plans %s", ", ".join(f"{s} x {-(-T // s)}" for s in sizes)

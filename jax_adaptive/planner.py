@@ -26,6 +26,7 @@ from jax_adaptive.memory import Executable, Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Objective, Plan, least_padding_size
 from jax_adaptive.sizing import Binding
 from jax_adaptive.step import TrainState
+from jax_adaptive.timing import can_time
 
 __all__ = ["GrowPolicy", "Planner"]
 
@@ -204,7 +205,7 @@ class Planner:
             self._use(size, "plan cache")
             return self.size
         size = self._searched(self.target_batch_size, "init")
-        if self.objective == "throughput":
+        if self.objective == "throughput" and can_time():
             T, timer = self.target_batch_size, self._timer(state)
             self._use(self.program.timed_fastest(T, size, self._multiple, timer), "searched")
         else:

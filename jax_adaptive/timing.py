@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from typing import Any, NamedTuple
 
+import jax
+
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.plan import least_padding_size
 
-__all__ = ["Timed", "Timing", "candidate_sizes", "fastest"]
+__all__ = ["Timed", "Timing", "can_time", "candidate_sizes", "fastest"]
 
 MOST = 12
 """Candidates at most: a factor of 2 ** 10 below the default plan. The screening's early
@@ -46,6 +48,20 @@ KEEP_DEFAULT = 0.03
 moment's load moves medians by a few percent on a shared host (measured: 3-5% between
 two timings of the same sizes on this project's 2-core CPU), and a switch that wins
 less than this gains little and may lose it."""
+
+
+def can_time() -> bool:
+    """Whether plans are timed here: in one process only.
+
+    Under ``jax.distributed`` each process would time its own runs and could stop its
+    screening, or choose, at another size than the others, whose programs would then
+    wait on each other's collectives; they plan by the least padding instead.
+
+    Examples:
+        >>> can_time()  # one process
+        True
+    """
+    return jax.process_count() == 1
 
 
 def _size_for(T: int, steps: int, largest: int, multiple: int) -> int:

@@ -185,3 +185,15 @@ def test_trainer_throughput_times_the_candidates_and_stays_exact():
         state, _ = trainer.step(state, batch)
     reference = full_batch_reference(mlp_loss, optax.adam(1e-2), mlp_params(), batches)
     assert_trees_close(state.params, reference, 1e-5)
+
+
+def test_several_processes_plan_by_the_least_padding_untimed(monkeypatch):
+    """Each process would time its own runs: they could run different sizes in one call."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    limit = _limit_for_largest(10)
+    step = ja.AdaptiveStep(_build, memory_limit=limit, objective="throughput", plan_cache=False)
+    state = (_params(), OPT.init(_params()))
+    plan = step.plan(state, _batch(0))
+    assert plan.micro_batch_size == 8 and "the next calls time" not in str(plan)
+    state, _ = step(state, _batch(0))
+    assert step.timed is None and step.micro_batch_size == 8
