@@ -232,6 +232,11 @@ def main() -> None:
     parser.add_argument("--replot", action="store_true")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=str(RESULTS / "plan_speed.json"))
+    parser.add_argument(
+        "--only",
+        choices=["MLP", "CNN", "scanned LM"],
+        help="run this model's cases alone; keep the others from --out",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if args.replot:
@@ -239,9 +244,12 @@ def main() -> None:
         return
     logging.basicConfig(level=logging.WARNING)
     shapes = [(mlp_case, [700, 200]), (cnn_case, [100, 24]), (lm_case, [24, 6])]
-    cases = []
+    kept = json.loads(out.read_text())["cases"] if args.only else []
+    cases = [c for c in kept if c["model"] != args.only]
     for make, largest in shapes:
         case = make()
+        if args.only not in (None, case.name):
+            continue
         largest = largest[:1] if args.quick else largest
         for limit in limits_for(case, largest):
             cases.append(run_case(case, limit, 3 if args.quick else args.rounds))

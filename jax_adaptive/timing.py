@@ -185,15 +185,16 @@ class Timing:
     """Which size to run next, and, once enough are timed, the fastest (`result`).
 
     A screening pass runs the sizes in order, each once to warm up and then
-    `SCREEN_RUNS` times (the least kept), and stops early once two sizes in a row are
-    slower than the best so far, or one by `GIVE_UP`: time per update falls with the size
-    and then rises. The best one's neighbourhood is screened too: the step counts halfway
-    to its neighbours (`_between`). The sizes within `CLOSE` of the best then run
-    ``rounds`` interleaved rounds, with the default plan (screened first, on the
-    coldest caches), so that a moment's load weighs on all of them; the least median
-    wins, the first size (the default plan) unless another wins by over
-    `KEEP_DEFAULT`. A size that ran out of memory is left out; when the first one does,
-    nothing is timed and the first is chosen.
+    `SCREEN_RUNS` times (the least kept), and stops early once two sizes are more than
+    `CLOSE` slower than the best with none faster between, or one is `GIVE_UP` slower:
+    time per update falls with the size and then rises (where it stays within `CLOSE`,
+    the curve is flat and the screening goes on). The best one's neighbourhood is
+    screened too: the step counts halfway to its neighbours (`_between`). The sizes
+    within `CLOSE` of the best then run ``rounds`` interleaved rounds, with the default
+    plan (screened first, on the coldest caches), so that a moment's load weighs on all
+    of them; the least median wins, the first size (the default plan) unless another
+    wins by over `KEEP_DEFAULT`. A size that ran out of memory is left out; when the
+    first one does, nothing is timed and the first is chosen.
 
     Args:
         sizes: the candidates, the default plan first (`candidate_sizes`).
@@ -271,7 +272,12 @@ class Timing:
                 continue
             best = min(screened.values(), default=math.inf)
             screened[size] = min(runs[1:])
-            slower = slower + 1 if screened[size] > best else 0
+            # Within CLOSE the curve is flat: the next, smaller sizes may still win (XLA:CPU
+            # ran a CNN's micro-batches of 1 and 2 faster than every size from 4 to 24).
+            if screened[size] > best * (1 + CLOSE):
+                slower += 1
+            elif screened[size] <= best:
+                slower = 0
             if slower == 2 or screened[size] > best * (1 + GIVE_UP):
                 break
         for size in self._between(min(screened, key=screened.get)):
