@@ -207,6 +207,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "throughput (chosen)": [c["chosen_over_fastest"] for c in cases],
         "least_padding (default)": [c["default_over_fastest"] for c in cases],
     })  # fmt: skip
+    left.tick_params(axis="x", labelsize=8)
     left.axhline(1.03, color="k", ls="--", lw=0.8)
     left.set_ylabel("time per update / fastest fixed size's")
     left.set_title("plan speed against every fixed size timed by hand")
