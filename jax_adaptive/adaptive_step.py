@@ -94,6 +94,8 @@ class AdaptiveStep:
             first calls of each new shape run the candidates (every plan trains the same)
             and are timed, then the fastest is kept, and in the plan cache: a second run
             times nothing (``plan_info.timed`` says what won).
+        timing_budget: the most that timing may cost, in calls at the default plan's speed
+            (``0.02 * calls``: 2% of a run); None: no bound.
         multiple_of: try only multiples of this.
         plan_cache: None for the default file, False for none, a path or a `PlanCache`.
         host_backup: ``"first_run"``: a host copy of the donated arguments before the
@@ -133,6 +135,7 @@ class AdaptiveStep:
         memory_limit: int | None = None,
         headroom: float = 0.05,
         objective: Literal["least_padding", "max", "throughput"] = "least_padding",
+        timing_budget: float | None = None,
         multiple_of: int = 1,
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
         host_backup: Literal["first_run", "every_call"] = "first_run",
@@ -151,6 +154,7 @@ class AdaptiveStep:
             "objective", objective, ("least_padding", "max", "throughput")
         )
         self.multiple_of = checks.positive_int("multiple_of", multiple_of)
+        self.timing_budget = timing_budget
         self.host_backup = checks.one_of("host_backup", host_backup, ("first_run", "every_call"))
         self.sizing = Sizing(
             "step at micro-batch",
@@ -410,7 +414,8 @@ class AdaptiveStep:
         if not can_time():
             log.info("objective='throughput' times plans in one process only: least padding")
         elif len(sizes) > 1:
-            self._timing = Timing(sizes, T, multiple_of=self.multiple_of, online=True)
+            self._timing = Timing(sizes, T, multiple_of=self.multiple_of, online=True,
+                                  budget=self.timing_budget)  # fmt: skip
             log.info(
                 "the next calls time the plans %s", ", ".join(f"{s} x {-(-T // s)}" for s in sizes)
             )

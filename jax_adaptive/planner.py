@@ -41,8 +41,8 @@ class Planner:
             ``sizing`` engine decides which sizes fit.
         target_batch_size: examples per update (the first update's, with a schedule).
         fixed: a fixed size, never searched nor changed; None to search.
-        grow, multiple_of, objective, chunk: as `jax_adaptive.AdaptiveTrainer`
-            documents them.
+        grow, multiple_of, objective, chunk, timing_budget: as
+            `jax_adaptive.AdaptiveTrainer` documents them.
         shards: the data shards every size must be a multiple of.
 
     Attributes:
@@ -63,8 +63,10 @@ class Planner:
         shards: int = 1,
         objective: Objective = "least_padding",
         chunk: int | Literal["auto"] = "auto",
+        timing_budget: float | None = None,
     ):
         self.executables, self.sizing = executables, executables.sizing
+        self.timing_budget = timing_budget
         self.target_batch_size, self.fixed = target_batch_size, fixed
         self.grow = checks.check_grow(grow)
         self.objective = checks.one_of(
@@ -207,7 +209,10 @@ class Planner:
         size = self._searched(self.target_batch_size, "init")
         if self.objective == "throughput" and can_time():
             T, timer = self.target_batch_size, self._timer(state)
-            self._use(self.program.timed_fastest(T, size, self._multiple, timer), "searched")
+            budget = self.timing_budget
+            self._use(
+                self.program.timed_fastest(T, size, self._multiple, timer, budget), "searched"
+            )
         else:
             self._use(self._trimmed(size), "searched")
         return self.size

@@ -350,15 +350,17 @@ class Binding:
             self.engine.plan_cache.put(self.key(), {**plan, **timed, **entry})
 
     def timed_fastest(
-        self, T: int, largest: int, multiple_of: int, time_once: Callable[[int], float]
-    ) -> int:
+        self, T: int, largest: int, multiple_of: int, time_once: Callable[[int], float],
+        budget: float | None = None,
+    ) -> int:  # fmt: skip
         """Times the candidate plans below ``largest`` offline (`jax_adaptive.timing`).
 
         ``time_once(size)`` runs one update of ``T`` examples at ``size`` and returns its
         seconds; sizes other than the fastest, returned, are freed by the client's `use`.
+        ``budget``: the most the timing may cost, in updates at the default plan's speed.
         """
         sizes = candidate_sizes(T, largest, multiple_of)
-        self.timed = fastest(sizes, time_once, T, multiple_of=multiple_of)
+        self.timed = fastest(sizes, time_once, T, multiple_of=multiple_of, budget=budget)
         log.info("timed plans: %s", self.timed)
         return self.timed.chosen
 

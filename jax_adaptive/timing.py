@@ -203,6 +203,8 @@ class Timing:
         rounds: the interleaved rounds.
         online: whether the runs are training (the cost then leaves out what the chosen
             plan would have taken for them).
+        budget: the most the timing may cost, in updates at the default plan's speed
+            (checked after each size and round: a compile may overrun it); None: no bound.
 
     Attributes:
         size: the size to run next; None once `result` is known.
@@ -220,12 +222,14 @@ class Timing:
 
     def __init__(
         self, sizes: list[int], target_batch_size: int, *, multiple_of: int = 1,
-        rounds: int = ROUNDS, online: bool = False,
+        rounds: int = ROUNDS, online: bool = False, budget: float | None = None,
     ):  # fmt: skip
         if not sizes:
             raise ValueError("Timing needs at least one size.")
+        if budget is not None and not budget >= 0:
+            raise ValueError(f"{budget=} must be a number of updates, at least 0.")
         self.sizes, self.target_batch_size, self.rounds = sizes, target_batch_size, rounds
-        self.multiple_of, self.online = multiple_of, online
+        self.multiple_of, self.online, self.budget = multiple_of, online, budget
         self.result: Timed | None = None
         self._spent: list[float] = []  # each run's seconds, compile and all
         self._runs: list[float] = []  # each run's own seconds
@@ -258,42 +262,35 @@ class Timing:
     def _schedule(self) -> Generator[int, float | None, Timed]:
         """Yields the sizes to run; is sent each run's seconds (None: out of memory)."""
         screened: dict[int, float] = {}
-        slower = 0
+        slower, default = 0, self.sizes[0]
         for size in self.sizes:
-            runs = []
-            for _ in range(1 + SCREEN_RUNS):
-                seconds = yield size
-                if seconds is None:
-                    break
-                runs.append(seconds)
-            if len(runs) <= SCREEN_RUNS:  # out of memory: no candidate
-                if size == self.sizes[0]:
-                    return self._timed(self.sizes[0], {})
+            seconds = yield from self._screen(size)
+            if seconds is None:  # out of memory: no candidate
+                if size == default:
+                    return self._timed(default, {})
                 continue
             best = min(screened.values(), default=math.inf)
-            screened[size] = min(runs[1:])
+            screened[size] = seconds
             # Within CLOSE the curve is flat: the next, smaller sizes may still win (XLA:CPU
             # ran a CNN's micro-batches of 1 and 2 faster than every size from 4 to 24).
-            if screened[size] > best * (1 + CLOSE):
+            if seconds > best * (1 + CLOSE):
                 slower += 1
-            elif screened[size] <= best:
+            elif seconds <= best:
                 slower = 0
-            if slower == 2 or screened[size] > best * (1 + GIVE_UP):
+            if slower == 2 or seconds > best * (1 + GIVE_UP) or self._spent_all(screened):
                 break
-        for size in self._between(min(screened, key=screened.get)):
-            runs = []
-            for _ in range(1 + SCREEN_RUNS):
-                seconds = yield size
-                if seconds is None:
-                    break
-                runs.append(seconds)
-            if len(runs) > SCREEN_RUNS:
-                screened[size] = min(runs[1:])
+        near = self._between(min(screened, key=screened.get))
+        for size in [] if self._spent_all(screened) else near:
+            seconds = yield from self._screen(size)
+            if seconds is not None:
+                screened[size] = seconds
         best = min(screened.values())
         # the default always runs the rounds: screened first, it ran on the coldest caches
-        close = [s for s, t in screened.items() if t <= best * (1 + CLOSE) or s == self.sizes[0]]
+        close = [s for s, t in screened.items() if t <= best * (1 + CLOSE) or s == default]
         rounds: dict[int, list[float]] = {size: [] for size in close}
         for _ in range(self.rounds if len(close) > 1 else 0):
+            if self._spent_all(screened):
+                break
             for size in [s for s in close if s in rounds]:
                 seconds = yield size
                 if seconds is None:
@@ -302,10 +299,32 @@ class Timing:
                     rounds[size].append(seconds)
         medians = {s: statistics.median(t) for s, t in rounds.items() if t}
         medians = medians or {s: screened[s] for s in close}
-        chosen, default = min(medians, key=medians.get), self.sizes[0]
+        chosen = min(medians, key=medians.get)
         if default in medians and medians[default] <= medians[chosen] * (1 + KEEP_DEFAULT):
             chosen = default
         return self._timed(chosen, {s: medians.get(s, t) for s, t in screened.items()})
+
+    def _screen(self, size: int) -> Generator[int, float | None, float | None]:
+        """Runs ``size`` once to warm up, then `SCREEN_RUNS` times: the least (None: OOM)."""
+        runs = []
+        for _ in range(1 + SCREEN_RUNS):
+            seconds = yield size
+            if seconds is None:
+                return None
+            runs.append(seconds)
+        return min(runs[1:])
+
+    def _spent_all(self, screened: dict[int, float]) -> bool:
+        """Whether the timing has cost its ``budget`` (updates at the default plan's speed)."""
+        default = screened.get(self.sizes[0])
+        if self.budget is None or default is None:
+            return False
+        return self._cost(default) > self.budget * default
+
+    def _cost(self, reference: float) -> float:
+        """What the timing cost so far: all it ran, less (online) what ``reference`` would."""
+        cost = sum(self._spent) - (len(self._runs) * reference if self.online else 0.0)
+        return max(cost, 0.0)
 
     def _between(self, best: int) -> list[int]:
         """Sizes between ``best`` and its neighbours among the candidates, by step count.
@@ -324,16 +343,13 @@ class Timing:
         return found
 
     def _timed(self, chosen: int, seconds: dict[int, float]) -> Timed:
-        cost = sum(self._spent)
-        if self.online and chosen in seconds:  # the runs trained: count only the excess
-            cost -= len(self._runs) * seconds[chosen]
-        T = self.target_batch_size
-        return Timed(chosen, self.sizes[0], tuple(seconds.items()), T, max(cost, 0.0))
+        cost = self._cost(seconds.get(chosen, 0.0))  # online, the runs trained: the excess
+        return Timed(chosen, self.sizes[0], tuple(seconds.items()), self.target_batch_size, cost)
 
 
 def fastest(
     sizes: list[int], time_once: Callable[[int], float], target_batch_size: int,
-    *, multiple_of: int = 1, rounds: int = ROUNDS,
+    *, multiple_of: int = 1, rounds: int = ROUNDS, budget: float | None = None,
 ) -> Timed:  # fmt: skip
     """Times the sizes offline, one run at a time as a `Timing` asks; the `Timed` result.
 
@@ -344,6 +360,7 @@ def fastest(
         target_batch_size: the examples per update.
         multiple_of: every size's multiple.
         rounds: the interleaved rounds.
+        budget: the most the timing may cost, in updates at the default plan's speed.
 
     Returns:
         The `Timed` plans.
@@ -354,7 +371,8 @@ def fastest(
         >>> print(fastest([683, 512, 256, 128, 64], seconds, 2048).chosen)  # 187 x 11
         187
     """
-    timing = Timing(sizes, target_batch_size, multiple_of=multiple_of, rounds=rounds)
+    timing = Timing(sizes, target_batch_size, multiple_of=multiple_of, rounds=rounds,
+                    budget=budget)  # fmt: skip
     while timing.size is not None:
         size, start = timing.size, time.perf_counter()
         seconds, error = catch_oom(functools.partial(time_once, size))

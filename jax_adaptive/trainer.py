@@ -55,6 +55,9 @@ class AdaptiveTrainer:
         multiple_of: search multiples of this (a smaller size only when none fits).
         plan_cache: None (the default file), False (none), a path or a `PlanCache`.
         objective: ``"least_padding"``, ``"max"`` or ``"throughput"``.
+        timing_budget: under ``objective="throughput"``, the most the timing may cost, in
+            updates at the default plan's speed (``0.02 * updates``: 2% of a run); None: no
+            bound.
         chunk: ``"auto"`` or the most micro-steps per dispatch.
         device: the device to train on without a mesh (the first local one by default).
         mesh: a ``jax.sharding.Mesh`` to train data parallel over, split along
@@ -107,6 +110,7 @@ class AdaptiveTrainer:
         multiple_of: int = 1,
         plan_cache: PlanCache | str | os.PathLike[str] | bool | None = None,
         objective: Objective = "least_padding",
+        timing_budget: float | None = None,
         chunk: int | Literal["auto"] = "auto",
         device: jax.Device | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -170,6 +174,7 @@ class AdaptiveTrainer:
             planner = Planner(
                 executables, target_batch_size=T, fixed=fixed, grow=grow,
                 multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
+                timing_budget=timing_budget,
             )  # fmt: skip
             return executables, planner, Updater(planner, self.placement, in_flight)
 

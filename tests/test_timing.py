@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import jax_adaptive as ja
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.timing import KEEP_DEFAULT, candidate_sizes, fastest
+from jax_adaptive.timing import KEEP_DEFAULT, Timing, candidate_sizes, fastest
 
 T = 24
 OPT = optax.adam(0.05)
@@ -197,3 +197,23 @@ def test_several_processes_plan_by_the_least_padding_untimed(monkeypatch):
     assert plan.micro_batch_size == 8 and "the next calls time" not in str(plan)
     state, _ = step(state, _batch(0))
     assert step.timed is None and step.micro_batch_size == 8
+
+
+def test_a_budget_stops_the_timing_once_it_has_cost_that_many_updates():
+    seconds = {683: 0.5, 512: 0.45, 256: 0.4, 128: 0.35, 64: 0.3}  # falling: all worth trying
+
+    def timed(budget):
+        timing = Timing(list(seconds), 2048, budget=budget)
+        while timing.size is not None:  # each run costs its own seconds (offline)
+            t = seconds.get(timing.size, 0.3)  # a size between two candidates
+            timing.record(timing.size, t, spent=t)
+        return timing.result
+
+    assert len(timed(None).seconds) > 5 and dict(timed(None).seconds)[64] == 0.3
+    # 5 updates at the default's 0.5 s: its 3 runs (1.5 s) fit, 512's (1.35 s more) pass it
+    bounded = timed(5)
+    assert dict(bounded.seconds) == {683: 0.5, 512: 0.45} and bounded.chosen == 512
+    assert bounded.cost == pytest.approx(1.5 + 1.35)
+    assert timed(0).chosen == 683 and len(timed(0).seconds) == 1  # the default alone
+    with pytest.raises(ValueError, match="budget"):
+        Timing(list(seconds), 2048, budget=-1)

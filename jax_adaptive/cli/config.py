@@ -44,6 +44,10 @@ LONG_RUN = 1000
 """Updates from which ``--objective auto`` times the plans (``throughput``): the timing
 costs a few seconds of compiles and slower updates, a small share of such a run
 (``python experiments/plan_speed.py`` reports it as a share of 1,000 updates)."""
+
+TIMING_SHARE = 0.02
+"""The share of a run ``--objective auto``'s timing may cost (`TrainConfig.timing_budget`):
+a model whose compiles are long (a minute each on a GPU host) stops timing early."""
 _MAX_T = checks.MAX_TARGET_BATCH_SIZE  # the largest target batch the micro-step counts
 
 
@@ -122,6 +126,18 @@ class TrainConfig:
         if self.epochs is not None:
             return "least_padding", f"auto: {self.epochs} epochs, a length not known yet"
         return "least_padding", f"auto: {self.updates} updates, fewer than {LONG_RUN}"
+
+    def timing_budget(self) -> float | None:
+        """The most ``--objective auto``'s timing may cost, in updates (else None: no bound).
+
+        Examples:
+            >>> TrainConfig(updates=5000).timing_budget()
+            100.0
+            >>> TrainConfig(updates=5000, objective="throughput").timing_budget() is None
+            True
+        """
+        objective, why = self.chosen_objective()
+        return TIMING_SHARE * self.updates if objective == "throughput" and why else None
 
     def schedule(self) -> BatchSchedule:
         """The target batch size per update: ``batch_schedule``'s, else the constant.

@@ -210,7 +210,8 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         model.loss_fn, make_optimizer(config), target_batch_size=config.schedule(),
         micro_batch_size=config.micro_batch_size, memory_limit=limit,
         multiple_of=multiple_of(config, model), has_aux=True, has_state=bool(model.mutable),
-        objective=config.chosen_objective()[0], plan_cache=config.plan_cache_arg(),
+        objective=config.chosen_objective()[0], timing_budget=config.timing_budget(),
+        plan_cache=config.plan_cache_arg(),
         mesh=data_mesh() if config.data_parallel else None,
     )  # fmt: skip
     start = time.perf_counter()

@@ -79,6 +79,7 @@ def _train(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> dict[st
         gpt_token_loss(model), make_optimizer(config), buckets=pow2_buckets(config.max_length),
         target_tokens=config.target_tokens or 4096, count_tokens=_next_token_counts,
         memory_limit=config.memory_limit, objective=config.chosen_objective()[0],
+        timing_budget=config.timing_budget(),
         plan_cache=config.plan_cache_arg(), mesh=data_mesh() if config.data_parallel else None,
     )  # fmt: skip
     sequences = synthetic_sequences(
