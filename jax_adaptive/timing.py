@@ -2,12 +2,12 @@
 
 The largest micro-batch that fits is not always the fastest: on a CPU a smaller one can
 stay in cache, on a GPU a size past saturation gains nothing and a rounder size can tile
-better. `candidate_sizes` names a few plans below the largest that fits; a `Timing` says which
-size to run next and, once it has timed enough, which was fastest. A client drives it
-offline (`fastest`: runs on zeros or copies, before training) or online (its first real
-calls run the sizes it asks: every plan trains the same, exactness does not depend on the
-micro-batch, so those calls are training, not overhead). The plan cache keeps the choice
-and its timings: a second run times nothing.
+better. `candidate_sizes` names a few plans below the largest that fits; a `Timing`
+says which size to run next and, once it has timed enough, which was fastest. A client
+drives it offline (`fastest`: the trainer's micro-step on zeros, before training) or
+online (`AdaptiveStep`'s first real calls run the sizes it asks: every plan trains the
+same, exactness does not depend on the micro-batch, so those calls are training, not
+overhead). The plan cache keeps the choice and its timings: a second run times nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from jax_adaptive.plan import least_padding_size
 __all__ = ["Timed", "Timing", "can_time", "candidate_sizes", "fastest"]
 
 MOST = 12
-"""Candidates at most: a factor of 2 ** 10 below the default plan. The screening's early
-stop bounds what is compiled: two past the fastest."""
+"""Candidates at most: down to 2 ** 10 times smaller than the default plan. The
+screening's early stop bounds what is compiled: two clearly slower past the fastest."""
 
 SCREEN_RUNS = 2
 """Timed updates per candidate in the screening pass, after one that warms up (its first
