@@ -26,7 +26,7 @@ from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
-from jax_adaptive.timing import Timed, Timing, can_time, candidate_sizes
+from jax_adaptive.timing import Timed, Timing, plan_timing
 
 __all__ = ["AdaptiveStep", "StepBuilder", "StepBuilders", "signature_of"]
 
@@ -171,7 +171,6 @@ class AdaptiveStep:
         self._replan = False
         self._sharding: str | None = None  # the state's, in words (`describe_sharding`)
         self._timing: Timing | None = None  # objective="throughput": the calls being timed
-        self._run_seconds = 0.0  # the last run's, for the timing
         self._choices: dict[Hashable, RematChoice] = {}  # by signature, with RematChoices
 
     # ------------------------------------------------------------ what is planned
@@ -192,12 +191,10 @@ class AdaptiveStep:
         if self._timing is not None:
             source = f"searched; the next calls time {self._timing.sizes}"
         steps = math.ceil(self._batch_size / size)
-        timed = program.timed if program.timed and program.timed.chosen == size else None
-        remat = None if self.remat is None else str(self.remat)
-        search = None if program.search is None else str(program.search)
+        timed, remat, search = program.timed_for(size), self.remat, program.search
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
-                    remat=remat, sharding=self._sharding, timed=timed and str(timed),
-                    search=search)  # fmt: skip
+                    remat=remat and str(remat), sharding=self._sharding,
+                    timed=timed and str(timed), search=search and str(search))  # fmt: skip
 
     @property
     def timed(self) -> Timed | None:
@@ -331,7 +328,11 @@ class AdaptiveStep:
         else:
             self._choose(bindings)
         if self.objective == "throughput" and self._program.largest is not None:
-            self._start_timing()  # searched, not from the plan cache: time the candidates
+            # searched, not from the plan cache: the next calls time the candidates
+            program, T, budget = self._program, self._batch_size, self.timing_budget
+            self._timing = plan_timing(
+                T, program.largest, self.multiple_of, online=True, budget=budget
+            )
 
     def _choose(self, bindings: dict[str, Binding]) -> None:
         """Plans every remat policy (`jax_adaptive.remat.plan_policies`) and runs the chosen."""
@@ -407,26 +408,12 @@ class AdaptiveStep:
         if size != before:
             log.info("plan%s: %s", f" ({why})" if why else "", self.plan_info)
 
-    def _start_timing(self) -> None:
-        """The next calls run and time the candidate plans (`jax_adaptive.timing.Timing`)."""
-        program, T = self._program, self._batch_size
-        sizes = candidate_sizes(T, program.largest, self.multiple_of)
-        if not can_time():
-            log.info("objective='throughput' times plans in one process only: least padding")
-        elif len(sizes) > 1:
-            self._timing = Timing(sizes, T, multiple_of=self.multiple_of, online=True,
-                                  budget=self.timing_budget)  # fmt: skip
-            log.info(
-                "the next calls time the plans %s", ", ".join(f"{s} x {-(-T // s)}" for s in sizes)
-            )
-
-    def _timed(self, size: int, spent: float) -> None:
+    def _timed(self, size: int, seconds: float, spent: float) -> None:
         """A timing call of ``size`` ran; once the timing is done, the fastest is used."""
         timing = self._timing
-        timing.record(size, self._run_seconds, spent)
+        timing.record(size, seconds, spent)
         if timing.result is not None:
             self._program.timed = timing.result
-            log.info("timed plans: %s", timing.result)
             self._use(timing.result.chosen, "the fastest timed")
 
     # ------------------------------------------------------------ the guarded call
@@ -455,9 +442,10 @@ class AdaptiveStep:
             start = time.perf_counter()
             out, error = catch_oom(functools.partial(self._run, size, args, saved))
             if error is None:
+                out, seconds = out
                 self._program.ran(size)
                 if timing is not None:
-                    self._timed(size, time.perf_counter() - start)
+                    self._timed(size, seconds, time.perf_counter() - start)
                 return out
             if timing is not None:  # memory is tighter than planned: plan as without timing
                 log.info("the timing stopped: %s ran out of memory", size)
@@ -477,8 +465,11 @@ class AdaptiveStep:
                 exc.arguments = args  # intact: the caller's own may have been donated
                 raise
 
-    def _run(self, size: int, args: tuple[Any, ...], saved: dict | None) -> Any:
-        """One run of the step of ``size``, copying its donated arguments into ``saved``."""
+    def _run(self, size: int, args: tuple[Any, ...], saved: dict | None) -> tuple[Any, float]:
+        """One run of the step of ``size``, copying its donated arguments into ``saved``.
+
+        Returns what the step returned, and the seconds its run took (for a timing).
+        """
         compiled = self.compile(size)
         self.check(size)
         if saved is not None:
@@ -489,8 +480,7 @@ class AdaptiveStep:
         # only when the result is read.
         start = time.perf_counter()
         out = jax.block_until_ready(compiled(*args))
-        self._run_seconds = time.perf_counter() - start
-        return out
+        return out, time.perf_counter() - start
 
     def _backup(self, args: tuple[Any, ...], compiled: Any) -> Backup:
         """Host copies of the device arrays the compiled step donates, by leaf index."""

@@ -26,7 +26,7 @@ from jax_adaptive.memory import Executable, Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Objective, Plan, least_padding_size
 from jax_adaptive.sizing import Binding
 from jax_adaptive.step import TrainState
-from jax_adaptive.timing import can_time
+from jax_adaptive.timing import plan_timing, run_offline
 
 __all__ = ["GrowPolicy", "Planner"]
 
@@ -160,7 +160,7 @@ class Planner:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
         known = self.program.peak(self.size) is not None
         known &= self.chunking.chunk_of is not None or jax.process_count() == 1
-        timed = self.program.timed
+        timed, search = self.program.timed_for(self.size), self.program.search
         return Plan(
             self.size,
             math.ceil(self.target_batch_size / self.size),
@@ -172,8 +172,8 @@ class Planner:
             self.source,
             getattr(self.sizing.agree, "found", None),  # an `Agreement`'s, several processes
             self.executables.collectives(self.size),
-            timed=str(timed) if timed and timed.chosen == self.size else None,
-            search=None if self.program.search is None else str(self.program.search),
+            timed=timed and str(timed),
+            search=search and str(search),
         )
 
     def _peak(self) -> Ledger:
@@ -207,15 +207,19 @@ class Planner:
             self._use(size, "plan cache")
             return self.size
         size = self._searched(self.target_batch_size, "init")
-        if self.objective == "throughput" and can_time():
-            T, timer = self.target_batch_size, self._timer(state)
-            budget = self.timing_budget
-            self._use(
-                self.program.timed_fastest(T, size, self._multiple, timer, budget), "searched"
-            )
-        else:
-            self._use(self._trimmed(size), "searched")
+        self._use(self._chosen(state, size), "searched")
         return self.size
+
+    def _chosen(self, state: TrainState, largest: int) -> int:
+        """The size the objective takes below ``largest``: timed, for ``"throughput"``."""
+        timing = None
+        if self.objective == "throughput":
+            T, budget = self.target_batch_size, self.timing_budget
+            timing = plan_timing(T, largest, self._multiple, online=False, budget=budget)
+        if timing is None:
+            return self._trimmed(largest)
+        self.program.timed = run_offline(timing, self._timer(state))
+        return self.program.timed.chosen
 
     def _searched(self, hi: int, reason: str, lo: int = 1) -> int:
         """The largest size in ``[lo, hi]`` that fits, agreed; remembered as `largest`.

@@ -13,6 +13,7 @@ overhead). The plan cache keeps the choice and its timings: a second run times n
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import statistics
 import time
@@ -24,7 +25,17 @@ import jax
 from jax_adaptive.errors import catch_oom
 from jax_adaptive.plan import least_padding_size
 
-__all__ = ["Timed", "Timing", "can_time", "candidate_sizes", "fastest"]
+__all__ = [
+    "Timed",
+    "Timing",
+    "can_time",
+    "candidate_sizes",
+    "fastest",
+    "plan_timing",
+    "run_offline",
+]
+
+log = logging.getLogger("jax_adaptive")
 
 MOST = 12
 """Candidates at most: down to 2 ** 10 times smaller than the default plan. The
@@ -140,9 +151,13 @@ class Timed(NamedTuple):
     @property
     def speedup(self) -> float:
         """The default plan's time per update over the chosen one's."""
-        times = dict(self.seconds)
-        default = times.get(self.default)
-        return 1.0 if default is None else default / times[self.chosen]
+        default = dict(self.seconds).get(self.default)
+        return 1.0 if default is None else default / self.chosen_seconds
+
+    @property
+    def chosen_seconds(self) -> float | None:
+        """The chosen plan's seconds per update (None: nothing was timed)."""
+        return dict(self.seconds).get(self.chosen)
 
     def plan(self, size: int) -> str:
         """``"m x k"`` for a size."""
@@ -258,6 +273,7 @@ class Timing:
             self.size = self._steps.send(seconds)
         except StopIteration as done:
             self.size, self.result = None, done.value
+            log.info("timed plans: %s", self.result)
 
     def _schedule(self) -> Generator[int, float | None, Timed]:
         """Yields the sizes to run; is sent each run's seconds (None: out of memory)."""
@@ -347,6 +363,46 @@ class Timing:
         return Timed(chosen, self.sizes[0], tuple(seconds.items()), self.target_batch_size, cost)
 
 
+def plan_timing(
+    T: int, largest: int, multiple_of: int, *, online: bool, budget: float | None = None
+) -> Timing | None:
+    """A `Timing` of the plans at or below ``largest`` (`candidate_sizes`), or None.
+
+    None where nothing is timed: under several processes (`can_time`), or where the
+    default plan is the only candidate. ``online``, ``budget``: as `Timing` takes them.
+
+    Examples:
+        >>> plan_timing(2048, 700, 1, online=True).sizes[:3]
+        [683, 512, 256]
+        >>> plan_timing(1, 1, 1, online=False) is None  # one candidate
+        True
+    """
+    sizes = candidate_sizes(T, largest, multiple_of)
+    if not can_time():
+        log.info("objective='throughput' times plans in one process only: least padding")
+        return None
+    if len(sizes) < 2:
+        return None
+    log.info("timing the plans %s", ", ".join(f"{s} x {math.ceil(T / s)}" for s in sizes))
+    return Timing(sizes, T, multiple_of=multiple_of, online=online, budget=budget)
+
+
+def run_offline(timing: Timing, time_once: Callable[[int], float]) -> Timed:
+    """Drives ``timing`` one run at a time, each ``time_once(size)`` (its seconds).
+
+    An out-of-memory leaves the size out; any other error propagates.
+    """
+    while timing.size is not None:
+        size, start = timing.size, time.perf_counter()
+        seconds, error = catch_oom(functools.partial(time_once, size))
+        spent = time.perf_counter() - start
+        if error is None:
+            timing.record(size, seconds, spent)
+        else:
+            timing.drop(size, spent)
+    return timing.result
+
+
 def fastest(
     sizes: list[int], time_once: Callable[[int], float], target_batch_size: int,
     *, multiple_of: int = 1, rounds: int = ROUNDS, budget: float | None = None,
@@ -373,12 +429,4 @@ def fastest(
     """
     timing = Timing(sizes, target_batch_size, multiple_of=multiple_of, rounds=rounds,
                     budget=budget)  # fmt: skip
-    while timing.size is not None:
-        size, start = timing.size, time.perf_counter()
-        seconds, error = catch_oom(functools.partial(time_once, size))
-        spent = time.perf_counter() - start
-        if error is None:
-            timing.record(size, seconds, spent)
-        else:
-            timing.drop(size, spent)
-    return timing.result
+    return run_offline(timing, time_once)

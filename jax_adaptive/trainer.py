@@ -324,7 +324,7 @@ class AdaptiveTrainer:
     def _timed_seconds(self, policy: str) -> float | None:
         """A remat policy's time per update at its plan (``objective="throughput"``), or None."""
         timed = self._levers[policy][1].program.timed
-        return None if timed is None else dict(timed.seconds).get(timed.chosen)
+        return None if timed is None else timed.chosen_seconds
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).
