@@ -1,5 +1,6 @@
 """Shared test fixtures: a small model, data, and the independent full-batch reference."""
 
+import functools
 import importlib.util
 import json
 import pathlib
@@ -41,6 +42,29 @@ def regression_batches(num, size, seed=0, d_in=4, length=16):
         }
         for _ in range(num)
     ]
+
+
+def donating_step_builder(loss_fn, optimizer):
+    """``m -> step``: a user's own jitted step at micro-batch ``m``, as `AdaptiveStep` takes.
+
+    The step donates its ``(params, opt_state)``, takes `micro_batch_grad` of the
+    per-example loss and one optimizer update; it returns the new state and the loss. One
+    jitted function per size (cached): JAX reuses its compiles across tests.
+    """
+    import jax_adaptive as ja
+
+    @functools.cache
+    def build(m):
+        @functools.partial(jax.jit, donate_argnums=0)
+        def train_step(state, batch):
+            params, opt_state = state
+            out = ja.micro_batch_grad(loss_fn, m)(params, batch)
+            updates, opt_state = optimizer.update(out.grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), out.loss
+
+        return train_step
+
+    return build
 
 
 def full_batch_reference(loss_fn, optimizer, params, batches, rng=None):

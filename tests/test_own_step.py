@@ -1,6 +1,5 @@
 """AdaptiveStep: a user's own step planned against brute force, guarded against OOM."""
 
-import functools
 import importlib.util
 import threading
 from pathlib import Path
@@ -10,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import donating_step_builder
 
 import jax_adaptive as ja
 from jax_adaptive.data import synthetic_images
@@ -26,18 +26,7 @@ def _loss(params, batch, rng):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
 
-@functools.cache  # one jitted function per size: JAX reuses its compiles across tests
-def _build(m):
-    """A user's step for micro-batch m: donates its state, applies adam once."""
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
-        params, opt_state = state
-        out = ja.micro_batch_grad(_loss, m)(params, batch)
-        updates, opt_state = OPT.update(out.grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), out.loss
-
-    return train_step
+_build = donating_step_builder(_loss, OPT)  # a user's step: donates its state, one Adam update
 
 
 def _state():

@@ -5,15 +5,13 @@ them: XLA:CPU's memory analysis shows what ``jax.checkpoint`` saves only on scan
 layers (docs/memory.md).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, full_batch_reference
+from helpers import assert_trees_close, donating_step_builder, full_batch_reference
 
 import jax_adaptive as ja
 from jax_adaptive.adaptive_step import signature_of
@@ -114,17 +112,6 @@ def test_with_room_the_plan_drops_remat_and_never_plans_it():
     assert_trees_close(state.params, reference, 1e-5)
 
 
-def test_a_second_run_takes_the_choice_from_the_plan_cache_and_compiles_no_size(tmp_path):
-    cache = PlanCache(tmp_path / "plans.json")
-    first, first_plan, _ = train(SMALL, token_batches(1), plan_cache=cache)
-    second, second_plan, _ = train(SMALL, token_batches(1), plan_cache=cache)
-    assert first.compiles >= 3
-    assert second.compiles == 1  # the chosen size's program, to run it; nothing searched
-    assert [t.decided_by for t in second.search_log] == ["plan cache"]
-    assert second_plan.micro_batch_size == first_plan.micro_batch_size
-    assert "full" in second_plan.remat and "none nothing fits" in second_plan.remat
-
-
 def test_throughput_chooses_the_policy_by_measured_speed_and_stays_exact():
     # 1 MB: without remat 2 fits (4 micro-steps), with it the whole batch (1): the rule
     # takes remat; timed, the faster per update is taken unless remat is within 3%.
@@ -150,19 +137,7 @@ def test_when_no_policy_fits_the_error_names_them():
 
 def make_build_step(policy):
     """A user's own jitted Adam step at micro-batch ``m``, its layers under ``policy``."""
-    loss, optimizer = make_loss(policy), optax.adam(1e-2)
-
-    def build_step(m):
-        @functools.partial(jax.jit, donate_argnums=0)
-        def train_step(state, batch):
-            params, opt_state = state
-            grads = ja.micro_batch_grad(loss, m)(params, batch).grads
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return train_step
-
-    return build_step
+    return donating_step_builder(make_loss(policy), optax.adam(1e-2))
 
 
 def run_steps(limit, batches, **kwargs):
@@ -174,7 +149,7 @@ def run_steps(limit, batches, **kwargs):
     state = (params, optax.adam(1e-2).init(params))
     plan = step.plan(state, batches[0])
     for batch in batches:
-        state = step(state, batch)
+        state, _ = step(state, batch)
     return step, plan, state
 
 
@@ -212,14 +187,17 @@ def test_adaptive_step_with_room_drops_remat_and_never_plans_it():
     assert_trees_close(state[0], reference, 1e-5)
 
 
-def test_adaptive_step_takes_the_choice_from_the_plan_cache_and_compiles_no_size(tmp_path):
+@pytest.mark.parametrize("entry", ["trainer", "step"])
+def test_a_second_run_takes_the_choice_from_the_plan_cache_and_compiles_no_size(tmp_path, entry):
+    run = {"trainer": train, "step": run_steps}[entry]
     cache = PlanCache(tmp_path / "plans.json")
-    first, first_plan, _ = run_steps(SMALL, token_batches(1), plan_cache=cache)
-    second, second_plan, _ = run_steps(SMALL, token_batches(1), plan_cache=cache)
+    first, first_plan, _ = run(SMALL, token_batches(1), plan_cache=cache)
+    second, second_plan, _ = run(SMALL, token_batches(1), plan_cache=cache)
     assert first.compiles >= 3
-    assert second.compiles == 1  # the chosen size's step, to run it; nothing searched
+    assert second.compiles == 1  # the chosen size's program, to run it; nothing searched
     assert [t.decided_by for t in second.search_log] == ["plan cache"]
     assert second_plan.micro_batch_size == first_plan.micro_batch_size
+    assert "full" in second_plan.remat and "none nothing fits" in second_plan.remat
     assert second.remat.source == "plan cache" and second.remat.sizes == first.remat.sizes
 
 

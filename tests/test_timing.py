@@ -5,7 +5,6 @@ candidate; `AdaptiveStep` and the trainer time a real step, and whatever they ch
 train exactly as plain full-batch optax does and leave the caller's arguments whole.
 """
 
-import functools
 import math
 
 import jax
@@ -13,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, full_batch_reference, mlp_loss, mlp_params
+from helpers import (
+    assert_trees_close,
+    donating_step_builder,
+    full_batch_reference,
+    mlp_loss,
+    mlp_params,
+)
 from helpers import regression_batches as batches_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,18 +36,7 @@ def _loss(params, batch, rng):
     return (hidden @ params["w2"] - batch["y"]) ** 2
 
 
-@functools.cache
-def _build(m):
-    """A user's step for micro-batch m: donates its state, one adam update."""
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
-        params, opt_state = state
-        out = ja.micro_batch_grad(_loss, m)(params, batch)
-        updates, opt_state = OPT.update(out.grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), out.loss
-
-    return train_step
+_build = donating_step_builder(_loss, OPT)  # a user's step: donates its state, one Adam update
 
 
 def _params():
