@@ -2,10 +2,11 @@
 
 A client (the planner, `jax_adaptive.Evaluator`, `jax_adaptive.AdaptiveStep`) describes
 its program for one input signature as a `Sized`; `Sizing.bind` gives it that
-signature's `Binding` (`jax_adaptive.binding`), kept for when the signature comes back. The engine owns, for
-every client: the capacity, each size's ledger (compiled and measured once), the
-search, the plan cache, and the shrink after an out-of-memory (docs/memory.md,
-docs/recovery.md). Every trial is logged at INFO on the ``jax_adaptive`` logger.
+signature's `Binding` (`jax_adaptive.binding`), kept for when the signature comes
+back. The engine owns, for every client: the capacity, each size's ledger (compiled and
+measured once), the search, the plan cache, and the shrink after an out-of-memory
+(docs/memory.md, docs/recovery.md). Every trial is logged at INFO on the
+``jax_adaptive`` logger.
 """
 
 from __future__ import annotations
