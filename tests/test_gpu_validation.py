@@ -111,7 +111,10 @@ def test_smoke_run_validates_every_check(tmp_path):
     for case in speed["cases"].values():
         assert set(case["ms_per_update"]) == variants
         assert all(ms > 0 for ms in case["ms_per_update"].values())
-        assert case["chunk"] == 1024 // case["micro_batch_size"]  # the whole update: a CPU
+        # The capacity allows the whole update on a CPU; a CPU also times the chunk and
+        # takes one micro-step per dispatch where it ran over 2x slower (chunking.settle):
+        # CI's loaded 2 cores, with the suite's unoptimised machine code, once did.
+        assert case["chunk"] in (1, 1024 // case["micro_batch_size"])
         for ratio in ("host_batch", "device_batch", "chunk1", "program"):
             assert case[ratio]["q1"] <= case[ratio]["median"] <= case[ratio]["q3"]
         ms = case["ms_per_update"]
