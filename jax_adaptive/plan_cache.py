@@ -15,7 +15,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import stat
 import time
 import warnings
@@ -25,6 +24,7 @@ from typing import Any
 import jax
 
 from jax_adaptive import checks
+from jax_adaptive.files import write_atomic
 
 __all__ = ["PlanCache", "enable_compilation_cache", "plan_key"]
 
@@ -58,20 +58,6 @@ def _open(path: Path, flags: int) -> int:
         if exc.errno == errno.ELOOP and path.is_symlink():
             raise _Link(f"{path.name} is a symbolic link, which the cache never follows") from exc
         raise
-
-
-def _sync_directory(path: Path) -> None:
-    """Flushes a directory's entries (a rename in it) to disk, where the system allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:  # a system or file system that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on a directory; the file is whole
-        pass
-    finally:
-        os.close(fd)
 
 
 def plan_key(**parts: Any) -> str:
@@ -202,7 +188,6 @@ class PlanCache:
             >>> sorted(json.loads(path.read_text()))
             ['a', 'b']
         """
-        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             lock = _open(self.path.with_name(self.path.name + ".lock"), os.O_WRONLY | os.O_CREAT)
@@ -210,25 +195,11 @@ class PlanCache:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 entries = self._read()
                 entries[key] = {**plan, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                # O_EXCL under a name no one can guess, as tempfile.mkstemp, but the umask
-                # decides the mode, so others may share the cache.
-                name = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
-                fd = _open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-                tmp = name  # ours now: removed if what follows fails
-                with os.fdopen(fd, "w") as f:
-                    json.dump(entries, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())  # the contents on disk before the name points at them
-                os.replace(tmp, self.path)
-                tmp = None
-                _sync_directory(self.path.parent)  # and the rename itself
+                write_atomic(self.path, json.dumps(entries, indent=1, sort_keys=True))
         except _Link as exc:
             self._warn(f"{exc}, so plans are not remembered")
         except OSError as exc:
             self._warn(f"it cannot be written ({_first_line(exc)}), so plans are not remembered")
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
 
 
 def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path:
