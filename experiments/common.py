@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ def write_result(path: str | Path, result: dict[str, Any]) -> Path:
     Example:
         >>> import tempfile
         >>> out = write_result(Path(tempfile.mkdtemp()) / "r.json", {"ratio": 1.0})
+        wrote .../r.json
         >>> json.loads(out.read_text())["backend"]
         'cpu'
     """
@@ -25,6 +28,21 @@ def write_result(path: str | Path, result: dict[str, Any]) -> Path:
     out.write_text(json.dumps(full, indent=2) + "\n")
     print("wrote", out)
     return out
+
+
+def load_example(name: str) -> Any:
+    """``examples/<name>.py`` imported as a module, as a user runs it from the repository.
+
+    Example:
+        >>> load_example("nnx_mnist").random_batches.__name__
+        'random_batches'
+    """
+    path = Path(__file__).parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its classes' module, as an import would set it
+    spec.loader.exec_module(module)
+    return module
 
 
 def pyplot() -> Any:

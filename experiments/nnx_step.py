@@ -29,7 +29,6 @@ device would.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -40,16 +39,12 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_result
+from common import load_example, write_result
 
 import jax_adaptive as ja
 from jax_adaptive.memory import memory_report, program_ledger, tree_bytes
 
-_SPEC = importlib.util.spec_from_file_location(
-    "nnx_mnist", Path(__file__).parents[1] / "examples" / "nnx_mnist.py"
-)
-mnist = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(mnist)
+mnist = load_example("nnx_mnist")
 
 
 def original_step(model, optimizer, metrics, batch, rngs):

@@ -33,6 +33,14 @@ each size are shared; every algorithm is still charged separately: its compiles 
 distinct sizes it asked, its seconds the sum of those sizes' measured seconds (as if it
 had its own fresh cache). ``ours`` runs for real, in a fresh trainer per limit.
 
+Then Flax's NNX MNIST step (examples/nnx_mnist.py, converted as its docstring shows;
+``nnx_cases``), at batch 512 under a limit per fraction of its span: the seconds of its
+first update, the search included (``ours_serial``, ``ours``), against a run that takes
+the same plan from a plan cache (``known_plan``: it compiles the size found and the
+update alone; ``wall_over_one_compile`` is the ratio of the two) and the step as written
+under ``nnx.jit`` at the whole batch; the second calls' seconds beside them; the size
+found against the bisection of a probe's ledgers.
+
     python experiments/search_cost.py          # writes experiments/results/search_cost.{json,png}
     python experiments/search_cost.py --quick  # smaller target batches, for a smoke test
 """
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import pyplot, save_figure, write_result
+from common import load_example, pyplot, save_figure, write_result
+from flax import nnx
 
 import jax_adaptive as ja
 from jax_adaptive.data import synthetic_images
@@ -324,6 +334,121 @@ def run_case(
     }
 
 
+def nnx_objects(mnist: Any) -> tuple[Any, ...]:
+    """The NNX example's model, optimizer, metrics and rngs, as its ``main`` makes them."""
+    model = mnist.CNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05, 0.9), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    model.train()
+    return model, optimizer, metrics, nnx.Rngs(0)
+
+
+def nnx_plain_calls(mnist: Any, batch: dict[str, np.ndarray]) -> list[float]:
+    """The first and second calls' seconds of the example's step as written, ``nnx.jit``."""
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch, rngs):
+        grad_fn = nnx.value_and_grad(mnist.loss_fn, has_aux=True)
+        (loss, logits), grads = grad_fn(model, batch, rngs)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    return timed_calls(train_step, nnx_objects(mnist), batch)
+
+
+def timed_calls(step: Callable[..., Any], objects: tuple[Any, ...], batch: Any) -> list[float]:
+    """The seconds of ``step``'s first call (compiles included) and of its second."""
+    model, optimizer, metrics, rngs = objects
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        step(model, optimizer, metrics, batch, rngs)
+        jax.block_until_ready(nnx.state(model))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def nnx_first_update(
+    mnist: Any, batch: dict[str, np.ndarray], limit: int, workers: int, cache: Path | bool
+) -> dict[str, Any]:
+    """The converted step's first update under ``limit``: its seconds, compiles and plan.
+
+    ``cache``: the plan cache's file (a second run with it knows the plan: no search) or
+    False.
+    """
+    os.environ["JAX_ADAPTIVE_COMPILE_WORKERS"] = str(workers)  # read as the step is made
+    step = ja.AdaptiveNnxStep(
+        mnist.train_step.step_fn, memory_limit=limit, objective="max", plan_cache=cache
+    )
+    first, second = timed_calls(step, nnx_objects(mnist), batch)
+    return {
+        "size": step.micro_batch_size,
+        "workers": workers,
+        "compiles": step.step.compiles,
+        "sizes_tried": [t.size for t in step.search_log],
+        "first_update_seconds": first,
+        "second_update_seconds": second,
+        "plan": str(step.plan_info),
+    }
+
+
+def largest_by_bisection(step: ja.AdaptiveStep, limit: int, T: int) -> int | None:
+    """The largest multiple of the step's ``multiple_of`` whose ledger fits: the reference."""
+    m = step.multiple_of
+    lo, hi = 0, T // m  # in multiples of m; lo fits (0: nothing does)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if step.ledger(mid * m).total <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * m or None
+
+
+def nnx_cases(mnist: Any, T: int, fractions: list[float], workers: int) -> list[dict[str, Any]]:
+    """Flax's NNX MNIST step at batch ``T``, a limit per fraction of its span (as the zoo's).
+
+    Per limit: the first update's seconds and compiles, ours against the plain ``nnx.jit``
+    step, and the size found against the bisection of a probe's ledgers (no limit, each
+    size compiled once).
+    """
+    batch = next(mnist.random_batches(1, T))
+    probe = ja.AdaptiveNnxStep(mnist.train_step.step_fn, objective="max", plan_cache=False)
+    probe(*nnx_objects(mnist)[:3], batch, nnx.Rngs(0))  # plans the whole batch: no limit
+    m = probe.step.multiple_of
+    floor, peak = probe.step.ledger(m).total, probe.step.ledger(T).total
+    cases = []
+    for fraction in fractions:
+        limit = int(floor + fraction * (peak - floor))
+        plain = nnx_plain_calls(mnist, batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = Path(tmp) / "plans.json"
+            results = {"ours_serial": nnx_first_update(mnist, batch, limit, 1, cache)}
+            known = nnx_first_update(mnist, batch, limit, 1, cache)  # the plan from the cache
+        results["ours"] = nnx_first_update(mnist, batch, limit, workers, False)
+        exact_size = largest_by_bisection(probe.step, limit, T)
+        sizes = {r["size"] for r in (*results.values(), known)}
+        assert sizes == {exact_size}, (results, known, exact_size)
+        for r in results.values():
+            r["wall_over_one_compile"] = r["first_update_seconds"] / known["first_update_seconds"]
+        cases.append(
+            {
+                "model": "NNX MNIST step",
+                "target_batch_size": T,
+                "fraction": fraction,
+                "memory_limit": limit,
+                "max_fitting_size": exact_size,
+                "multiple_of": m,
+                "plain_first_update_seconds": plain[0],
+                "plain_second_update_seconds": plain[1],
+                "known_plan": known,
+                "results": results,
+            }
+        )
+        print_nnx(cases[-1:])
+    return cases
+
+
 def print_tables(cases: list[dict[str, Any]]) -> None:
     rows = [(f"{c['model']} {c['fraction']:.2f}", c) for c in cases]
     head = f"{'model  limit':<17}{'max':>6} " + "".join(f"{a:>13}" for a in ALGORITHMS)
@@ -348,6 +473,38 @@ def print_tables(cases: list[dict[str, Any]]) -> None:
     seconds = {a: sum(c["results"][a]["seconds"] for c in cases) for a in ALGORITHMS}
     print("\ntotal compiles:", totals)
     print("total seconds: ", {a: round(s, 1) for a, s in seconds.items()})
+
+
+def print_nnx(cases: list[dict[str, Any]]) -> None:
+    """The NNX step's first update: ours (serial, rounds), the plan known, plain ``nnx.jit``.
+
+    ``wall_over_one_compile`` here: the first update's seconds over those of a run that
+    took the plan from the plan cache (it compiles the size found, and the update, alone).
+    """
+    for c in cases:
+        r = c["results"]
+        print(
+            f"NNX MNIST step T={c['target_batch_size']} f={c['fraction']:.2f} "
+            f"({c['memory_limit'] / 2**20:.1f} MiB): max "
+            f"{c['max_fitting_size']}; plain nnx.jit {c['plain_first_update_seconds']:.1f} s; "
+            f"plan known {c['known_plan']['first_update_seconds']:.1f} s; second calls "
+            f"{c['plain_second_update_seconds']:.2f} s plain, "
+            f"{c['known_plan']['second_update_seconds']:.2f} s ours; "
+            + "; ".join(
+                f"{a} {r[a]['first_update_seconds']:.1f} s, {r[a]['compiles']} compiles "
+                f"({r[a]['wall_over_one_compile']:.1f}x)"
+                for a in ("ours_serial", "ours")
+            )
+        )
+
+
+def median_ratio(cases: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The median search wall / one compile over ``cases``, serial and in rounds."""
+    out: dict[str, float | None] = {}
+    for a in ("ours_serial", "ours"):
+        ratios = [r for c in cases if (r := c["results"][a]["wall_over_one_compile"])]
+        out[a] = float(np.median(ratios)) if ratios else None
+    return out
 
 
 def plot(cases: list[dict[str, Any]], path: Path) -> None:
@@ -376,7 +533,7 @@ def plot(cases: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["MLP", "CNN", "ResNetTiny", "GPT"])
+    parser.add_argument("--models", nargs="*", default=["MLP", "CNN", "ResNetTiny", "GPT"])
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.2, 0.45, 0.8])
     parser.add_argument(
         "--of",
@@ -388,6 +545,10 @@ def main() -> None:
     parser.add_argument("--target-small", type=int, default=4096, help="T for MLP and CNN")
     parser.add_argument("--target-resnet", type=int, default=128, help="T for ResNetTiny")
     parser.add_argument("--target-gpt", type=int, default=256, help="T for GPT")
+    parser.add_argument("--nnx-batch", type=int, default=512, help="the NNX MNIST step's batch")
+    parser.add_argument(
+        "--no-nnx", dest="nnx", action="store_false", help="skip the NNX MNIST step"
+    )
     parser.add_argument("--lightning-init", type=int, default=2, help="Lightning's init_val")
     parser.add_argument("--bin-margin", type=float, default=0.05, help="binsearch stop margin")
     parser.add_argument("--workers", type=int, default=2, help="sizes compiled side by side")
@@ -402,6 +563,7 @@ def main() -> None:
     }
     if args.quick:
         targets = {"MLP": 512, "CNN": 512, "ResNetTiny": 32, "GPT": 32}
+        args.nnx_batch = 128
 
     start = time.perf_counter()
     cases = []
@@ -419,7 +581,12 @@ def main() -> None:
                 flush=True,
             )
         print(f"  {name}: {len(shared.cost)} distinct sizes compiled in all", flush=True)
-    print_tables(cases)
+    if cases:
+        print_tables(cases)
+    mnist = load_example("nnx_mnist") if args.nnx else None
+    nnx_results = (
+        [] if mnist is None else nnx_cases(mnist, args.nnx_batch, args.fractions, args.workers)
+    )
     result = {
         "description": __doc__.splitlines()[0],
         "algorithms": ALGORITHMS,
@@ -428,17 +595,15 @@ def main() -> None:
         "quick": args.quick,
         "workers": args.workers,
         "cpu_count": os.cpu_count(),
-        "median_wall_over_one_compile": {
-            a: float(
-                np.median([r for c in cases if (r := c["results"][a]["wall_over_one_compile"])])
-            )
-            for a in ("ours_serial", "ours")
-        },
+        "median_wall_over_one_compile": median_ratio(cases),
+        "nnx_median_wall_over_one_compile": median_ratio(nnx_results),
         "cases": cases,
+        "nnx_cases": nnx_results,
         "total_seconds": time.perf_counter() - start,
     }
     out = write_result(args.out, result)
-    plot(cases, out.with_suffix(".png"))
+    if cases:
+        plot(cases, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
