@@ -23,7 +23,7 @@ from jax_adaptive.forwarding import forwarded
 from jax_adaptive.memory import Ledger, MemoryModel, tree_bytes
 from jax_adaptive.plan import Plan, least_padding_size
 from jax_adaptive.plan_cache import PlanCache
-from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
+from jax_adaptive.remat import RematChoice, RematChoices, choices_of, plan_policies
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
 from jax_adaptive.timing import Timed, Timing, plan_timing
@@ -143,10 +143,7 @@ class AdaptiveStep:
         device: jax.Device | None = None,
     ):
         # Several builders, one per remat policy: a plan over (policy, size) picks one.
-        builders = build_step if isinstance(build_step, RematChoices) else {None: build_step}
-        for builder in builders.values():
-            if not callable(builder):
-                raise TypeError(f"build_step must be callable, got {builder!r}.")
+        builders = choices_of(build_step, "build_step")
         self.build_step = build_step
         self._builders: Mapping[str | None, StepBuilder] = builders
         self.batch_argnum = checks.non_negative_int("batch_argnum", batch_argnum)

@@ -203,6 +203,35 @@ def check_chunk(chunk: Any) -> int | str:
     return int(chunk)
 
 
+def check_optimizer(optimizer: Any) -> Any:
+    """An ``optax.GradientTransformation``: anything with ``init`` and ``update``.
+
+    Examples:
+        >>> check_optimizer(0.1)
+        Traceback (most recent call last):
+        TypeError: optimizer must be an optax.GradientTransformation (with init and ...), got float.
+    """
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            "optimizer must be an optax.GradientTransformation (with init and update), "
+            f"got {type(optimizer).__name__}."
+        )
+    return optimizer
+
+
+def check_normalizer(normalizer: Any) -> Any:
+    """None or a function of the batch (its count: tokens, weights).
+
+    Examples:
+        >>> check_normalizer(3)
+        Traceback (most recent call last):
+        TypeError: normalizer must be a function of the batch, got 3.
+    """
+    if normalizer is not None and not callable(normalizer):
+        raise TypeError(f"normalizer must be a function of the batch, got {normalizer!r}.")
+    return normalizer
+
+
 def check_device(device: Any) -> jax.Device | None:
     """A ``jax.Device`` or None (a name such as ``"cpu"`` is not a device).
 

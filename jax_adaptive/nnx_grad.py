@@ -213,8 +213,7 @@ def micro_batch_value_and_grad(
         checks.positive_int("micro_batch_size", micro_batch_size)
     if isinstance(ghost_batch_size, int) or ghost_batch_size not in ("auto", "micro_batch", None):
         checks.positive_int("ghost_batch_size", ghost_batch_size)
-    if normalizer is not None and not callable(normalizer):
-        raise TypeError(f"normalizer must be a function of the batch, got {normalizer!r}.")
+    checks.check_normalizer(normalizer)
 
     def value_and_grad(*args: Any) -> Any:
         trace = _TRACE.get()

@@ -27,7 +27,7 @@ from jax_adaptive.errors import OptimizerStepOutOfMemory, SimulatedOutOfMemory, 
 from jax_adaptive.memory import Ledger, compile_measured, program_ledger, tree_bytes
 from jax_adaptive.nnx_grad import Record, StepTrace, batch_position, tracing
 from jax_adaptive.normalizer import normalizer_problem
-from jax_adaptive.remat import RematChoices
+from jax_adaptive.remat import RematChoices, choices_of
 
 __all__ = ["AdaptiveNnxStep"]
 
@@ -119,10 +119,7 @@ class AdaptiveNnxStep:
     def __init__(self, step_fn: Callable[..., Any] | RematChoices[Callable[..., Any]], *,
                  batch_argnum: int | None = None, **step_kwargs: Any):  # fmt: skip
         # Several steps, one per remat policy: the gradient's plan picks one (`_discover`).
-        steps = step_fn if isinstance(step_fn, RematChoices) else {None: step_fn}
-        for fn in steps.values():
-            if not callable(fn):
-                raise TypeError(f"step_fn must be callable, got {fn!r}.")
+        steps = choices_of(step_fn, "step_fn")
         self._step_fns = {name: inspect.unwrap(fn) for name, fn in steps.items()}
         self.step_fn = next(iter(self._step_fns.values()))
         self.batch_argnum = batch_argnum

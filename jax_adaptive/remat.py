@@ -127,6 +127,22 @@ class RematChoices(Mapping[str, T], Generic[T]):
         return next(iter(self._choices))
 
 
+def choices_of(value: Any, name: str) -> Mapping[str | None, Callable[..., Any]]:
+    """An entry point's callable(s) by remat policy: a `RematChoices`, or one under None.
+
+    Raises ``TypeError`` naming the argument when a choice is not callable.
+
+    Examples:
+        >>> list(choices_of(print, "loss_fn")), list(choices_of(RematChoices({"a": print}), "f"))
+        ([None], ['a'])
+    """
+    choices = value if isinstance(value, RematChoices) else {None: value}
+    for fn in choices.values():
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {fn!r}.")
+    return choices
+
+
 class RematChoice(NamedTuple):
     """The policy a plan runs, and why.
 

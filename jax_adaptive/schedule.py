@@ -79,6 +79,18 @@ class BatchSchedule:
             )
         return int(size)
 
+    @property
+    def known_sizes(self) -> list[int]:
+        """The sizes it takes, where known before training (none for a function).
+
+        Examples:
+            >>> BatchSchedule([(0, 8), (2, 16)]).known_sizes, BatchSchedule(4).known_sizes
+            ([8, 16], [4])
+        """
+        if self.constant is not None:
+            return [self.constant]
+        return [size for _, size in self.steps or ()]
+
     def examples_before(self, updates: int) -> int:
         """Examples the updates ``0 .. updates - 1`` take (a data stream's position).
 

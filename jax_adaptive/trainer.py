@@ -16,6 +16,7 @@ from jax_adaptive.distributed import Agreement, Placement, place, process_sum, w
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
 from jax_adaptive.executables import Executables
 from jax_adaptive.forwarding import forwarded
+from jax_adaptive.levers import Lever, Levers
 from jax_adaptive.loop import Kept, fit_loop
 from jax_adaptive.memory import Ledger
 from jax_adaptive.normalizer import Normalizer, example_weights
@@ -23,7 +24,7 @@ from jax_adaptive.plan import Objective, Plan
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.planner import GrowPolicy, Planner
 from jax_adaptive.read_ahead import interrupts_relayed
-from jax_adaptive.remat import RematChoice, RematChoices, plan_policies
+from jax_adaptive.remat import RematChoice, RematChoices, choices_of
 from jax_adaptive.schedule import BatchSchedule, ScheduleCursor, ScheduleSpec
 from jax_adaptive.sizing import Sizing
 from jax_adaptive.step import Batch, Params, PerExampleLoss, TrainState, multi_steps
@@ -124,20 +125,10 @@ class AdaptiveTrainer:
         opt_state_sharding: Any = None,
     ):
         # Several losses, one per remat policy: a plan over (policy, size) picks one.
-        losses = loss_fn if isinstance(loss_fn, RematChoices) else {None: loss_fn}
-        for loss in losses.values():
-            if not callable(loss):
-                raise TypeError(f"loss_fn must be callable, got {type(loss).__name__}.")
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
-                "optimizer must be an optax.GradientTransformation (with init and update), "
-                f"got {type(optimizer).__name__}."
-            )
-        if normalizer is not None and not callable(normalizer):
-            raise TypeError(f"normalizer must be a function of the batch, got {normalizer!r}.")
-        self.normalizer = normalizer
+        losses = choices_of(loss_fn, "loss_fn")
+        self.optimizer = checks.check_optimizer(optimizer)
+        self.normalizer = checks.check_normalizer(normalizer)
         self.schedule = BatchSchedule(target_batch_size)
-        self.optimizer = optimizer
         self.placement = Placement(
             checks.check_device(device), mesh, data_axis, param_sharding, global_batches,
             opt_state_sharding,
@@ -145,10 +136,9 @@ class AdaptiveTrainer:
         self._cursor = ScheduleCursor(self.schedule, self.shards)
         T = self._cursor.size_at(0)
         constant = self.schedule.constant is not None
-        targets = [T] if constant else [size for _, size in self.schedule.steps or ()]
         multiple_of = checks.positive_int("multiple_of", multiple_of)
         for loss in losses.values():
-            multiple_of = checks.ghost_multiple(loss, multiple_of, targets)
+            multiple_of = checks.ghost_multiple(loss, multiple_of, self.schedule.known_sizes)
         fixed = checks.fixed_size(
             micro_batch_size, multiple_of if constant else 1,
             T if constant else checks.MAX_TARGET_BATCH_SIZE, self.shards,
@@ -160,7 +150,7 @@ class AdaptiveTrainer:
         )  # fmt: skip
         checks.positive_int("in_flight", in_flight)
 
-        def build(loss: PerExampleLoss, remat: str | None) -> tuple[Executables, Planner, Updater]:
+        def build(loss: PerExampleLoss, remat: str | None) -> Lever:
             """One loss's programs, plan and update (its remat policy in the cache's key)."""
             policy = {} if remat is None else {"remat": remat}
             executables = Executables(
@@ -176,12 +166,11 @@ class AdaptiveTrainer:
                 multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
                 timing_budget=timing_budget,
             )  # fmt: skip
-            return executables, planner, Updater(planner, self.placement, in_flight)
+            return Lever(executables, planner, Updater(planner, self.placement, in_flight))
 
         # Each policy's programs and plan; the chosen one's run (`plan`).
-        self._levers = {name: build(loss, name) for name, loss in losses.items()}
-        self._executables, self._planner, self._updater = next(iter(self._levers.values()))
-        self._remat: RematChoice | None = None
+        self._levers = Levers({name: build(loss, name) for name, loss in losses.items()})
+        self._executables, self._planner, self._updater = self._levers.in_use
         self._evaluations = TrainerEvaluations(
             has_state=has_state, device=self.device, mesh=self.mesh,
             limit=lambda: self.memory_limit, headroom=self.headroom,
@@ -239,12 +228,13 @@ class AdaptiveTrainer:
         """The `jax_adaptive.Plan` of the next update (``print`` it for the plan in words)."""
         self._sync_target()
         plan = self._planner.plan._replace(sharding=self.placement.describe())
-        return plan if self._remat is None else plan._replace(remat=str(self._remat))
+        choice = self._levers.choice
+        return plan if choice is None else plan._replace(remat=str(choice))
 
     @property
     def remat(self) -> RematChoice | None:
         """The remat policy chosen and why (None: one loss, no choice)."""
-        return self._remat
+        return self._levers.choice
 
     @property
     def compiled_sizes(self) -> list[int]:
@@ -297,34 +287,8 @@ class AdaptiveTrainer:
         """
         leading_size(example_batch, "example_batch")
         T = self._cursor.size_at(self._cursor.seen(state.updates))
-        if len(self._levers) > 1:
-            self._plan_remat(state, example_batch, T)
-        elif self._executables.bind(state, example_batch) or self._planner.size is None:
-            self._planner.plan_for(state, T)
-        else:  # the shapes it is planned for: the plan holds, for the state's target
-            self._planner.set_target(T)
-
-    def _plan_remat(self, state: TrainState, example_batch: Batch, T: int) -> None:
-        """Plans every remat policy (`jax_adaptive.remat.plan_policies`) and runs the chosen."""
-        fresh = [ex.bind(state, example_batch) for ex, _, _ in self._levers.values()]
-        if not any(fresh) and self._planner.size is not None:
-            self._planner.set_target(T)  # the shapes it is planned for: the plan holds
-            return
-        self._remat = plan_policies(
-            lambda name: self._levers[name][1].plan_for(state, T), list(self._levers), T,
-            cache=self.plan_cache,
-            keys=lambda: [ex.program.key() for ex, _, _ in self._levers.values()],
-            log=log.info, seconds=self._timed_seconds,
-        )  # fmt: skip
-        self._executables, self._planner, self._updater = self._levers[self._remat.policy]
-        for ex, _, _ in self._levers.values():
-            if ex is not self._executables:
-                ex.release(keep=())  # the programs of the policies not chosen
-
-    def _timed_seconds(self, policy: str) -> float | None:
-        """A remat policy's time per update at its plan (``objective="throughput"``), or None."""
-        timed = self._levers[policy][1].program.timed
-        return None if timed is None else timed.chosen_seconds
+        lever = self._levers.plan(state, example_batch, T, self.plan_cache)
+        self._executables, self._planner, self._updater = lever
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).
@@ -438,6 +402,9 @@ class AdaptiveTrainer:
         self._require_init()
         return self._evaluations.evaluate(state, data, metric_fn, predict)
 
+    # From the first line: a Ctrl-C Python drops in a gc callback while fit sets up is kept
+    # and raised by fit_loop (a test's interrupt landed there and fit trained on).
+    @interrupts_relayed()
     def fit(
         self,
         state: TrainState,
@@ -488,22 +455,6 @@ class AdaptiveTrainer:
             >>> len(history), [h["examples"] for h in history]
             (2, [8, 8])
         """
-        # From the first line: a Ctrl-C Python drops in a gc callback while fit sets up is
-        # kept and raised by fit_loop (a test's interrupt landed there and fit trained on).
-        with interrupts_relayed():
-            return self._fit(
-                state, batches, num_updates, eval_every=eval_every, eval_data=eval_data,
-                metric_fn=metric_fn, progress=progress, on_update=on_update,
-                read_ahead=read_ahead,
-            )  # fmt: skip
-
-    def _fit(
-        self, state: TrainState, batches: Iterable[Batch], num_updates: int | None, *,
-        eval_every: int | None, eval_data: Any, metric_fn: Callable[..., Any] | None,
-        progress: bool, on_update: Callable[[int, dict[str, Any]], None] | None,
-        read_ahead: int,
-    ) -> tuple[TrainState, list[dict[str, Any]]]:  # fmt: skip
-        """`fit`'s body, inside its relay of what signal handlers raise."""
         if num_updates is not None:
             checks.positive_int("num_updates", num_updates)
         after = self._evaluations.after_update(eval_every, eval_data, metric_fn, num_updates)
