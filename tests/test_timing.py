@@ -135,18 +135,21 @@ def test_adaptive_step_times_candidates_in_its_first_calls_and_trains_exactly(tm
     limit = _limit_for_largest(10)  # 10 fits: 3 micro-steps; candidates 8, 6, 4, 2, 1
     cache = PlanCache(tmp_path / "plans.json")
     step = ja.AdaptiveStep(_build, memory_limit=limit, objective="throughput", plan_cache=cache)
-    state, batches = (_params(), OPT.init(_params())), [_batch(i % 5) for i in range(40)]
+    state, batches = (_params(), OPT.init(_params())), [_batch(i % 5) for i in range(100)]
     plan = step.plan(state, batches[0])
     assert plan.largest == 10 and plan.micro_batch_size == 8 and "time [8, 6, 4, 2, 1]" in str(plan)
     calls = 0
     while calls == 0 or "the next calls time" in str(step.plan_info):  # they train too
         state, _ = step(state, batches[calls])
         calls += 1
-    plan = step.plan_info
-    assert (
-        plan.micro_batch_size in candidate_sizes(T, 10) and "timed fastest of 8 x 3" in plan.timed
-    )
-    assert 6 <= calls <= 7 * 3 + 7 * 5  # screening (3 runs each), then rounds of the close
+    plan, timed = step.plan_info, step.timed
+    # The candidates, then the step counts halfway to the best's neighbours (5 x 5 beside
+    # 6 x 4 and 4 x 6, in one CI run): the choice is one of the sizes timed, all fitting.
+    sizes = [size for size, _ in timed.seconds]
+    assert sizes[0] == 8 and max(sizes) <= 10, sizes  # the default plan first
+    assert plan.micro_batch_size == timed.chosen and timed.chosen in sizes
+    assert "timed fastest of 8 x 3" in plan.timed
+    assert 6 <= calls <= 10 * len(sizes)  # screening (3 runs each), then 7 rounds at most
     state, _ = step(state, batches[calls])
     want = _reference(batches[: calls + 1])
     got = state[0]
