@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jax_adaptive import checks
+from jax_adaptive.background import BackgroundSearch, Fit
 from jax_adaptive.backup import Backup, backup, backup_bytes, deleted_leaves, put_back
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
@@ -102,6 +103,16 @@ class AdaptiveStep:
             first run of each size (and a retry); ``"every_call"``: before every call.
         oom_retries: real out-of-memory errors in a row retried at the smallest size.
         device: the device whose capacity counts (the first local device by default).
+        background_search: the first call of a new shape runs as soon as one size is
+            known to fit, while the search goes on on a thread; a later call takes the
+            plan once the search has ended (`jax_adaptive.background`). Every plan
+            trains the same. The search then first asks an eighth of the batch (a
+            multiple of ``multiple_of``): it fits most limits, so the first call waits
+            for one compile, and its 8 micro-steps keep those calls near the plan's
+            speed; the calls run the largest size found so far, as compiled for the
+            search (its micro-batches padded). One `StepBuilder` only; under several
+            processes (which must run the same size in each call) the search runs
+            before the first call, as without it. ``plan(*args)`` waits for the search.
 
     Attributes:
         host_bytes: bytes copied to the host to make failures recoverable.
@@ -141,6 +152,7 @@ class AdaptiveStep:
         host_backup: Literal["first_run", "every_call"] = "first_run",
         oom_retries: int = 3,
         device: jax.Device | None = None,
+        background_search: bool = False,
     ):
         # Several builders, one per remat policy: a plan over (policy, size) picks one.
         builders = choices_of(build_step, "build_step")
@@ -153,6 +165,12 @@ class AdaptiveStep:
         self.multiple_of = checks.positive_int("multiple_of", multiple_of)
         self.timing_budget = timing_budget
         self.host_backup = checks.one_of("host_backup", host_backup, ("first_run", "every_call"))
+        self.background_search = checks.boolean("background_search", background_search)
+        if self.background_search and None not in builders:
+            raise ValueError(
+                "background_search=True plans one StepBuilder; got RematChoices of "
+                f"{list(builders)}: their policies are planned one after another."
+            )
         self.sizing = Sizing(
             "step at micro-batch",
             memory_limit=memory_limit,
@@ -169,12 +187,16 @@ class AdaptiveStep:
         self._sharding: str | None = None  # the state's, in words (`describe_sharding`)
         self._timing: Timing | None = None  # objective="throughput": the calls being timed
         self._choices: dict[Hashable, RematChoice] = {}  # by signature, with RematChoices
+        self._search: BackgroundSearch | None = None  # background_search: while it runs
+        self._interim: Fit | None = None  # what the calls run while it runs
 
     # ------------------------------------------------------------ what is planned
 
     @property
     def micro_batch_size(self) -> int:
         """The size in use (for the arguments' shapes of the last call)."""
+        if self._interim is not None:
+            return self._interim.size
         if self._program is None or self._program.size is None:
             raise RuntimeError("call step(*args) or step.plan(*args) first.")
         return self._program.size
@@ -182,11 +204,16 @@ class AdaptiveStep:
     @property
     def plan_info(self) -> Plan:
         """The `jax_adaptive.Plan` in use (``accumulation_steps``: micro-batches per step)."""
-        size, program = self.micro_batch_size, self._program
+        return self._plan_of(self.micro_batch_size, interim=self._interim is not None)
+
+    def _plan_of(self, size: int, interim: bool = False) -> Plan:
+        program = self._program
         ledger = program.ledger(size) if program.peak(size) is not None else None
         source = None if program.largest is None else "searched"
         if self._timing is not None:
             source = f"searched; the next calls time {self._timing.sizes}"
+        if interim:
+            source = "the first size found to fit, while the search goes on"
         steps = math.ceil(self._batch_size / size)
         timed, remat, search = program.timed_for(size), self.remat, program.search
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
@@ -277,14 +304,20 @@ class AdaptiveStep:
         """Plans the size for arguments like ``args`` (their shapes; nothing runs).
 
         A call plans each new shape of arguments itself, and again after a raised cap.
+        A search in the background (``background_search``) is waited for.
         """
         self._plan(args)
+        self._end_search()
         return self.plan_info
 
     def _plan(self, args: tuple[Any, ...]) -> None:
-        """Plans for ``args`` when their shapes are new or the cap was raised; else nothing."""
+        """Plans for ``args`` when their shapes are new or the cap was raised; else nothing.
+
+        A search in the background gives the size that runs while it goes on (`_interim`).
+        """
         signature = signature_of(args)
         if signature != self._signature:
+            self._end_search()  # the last shape's, before another plans
             if not 0 <= self.batch_argnum < len(args):
                 raise ValueError(
                     f"batch_argnum={self.batch_argnum} is not one of {len(args)} arguments."
@@ -298,7 +331,13 @@ class AdaptiveStep:
             except BaseException:  # not planned: the next call with these shapes plans again
                 self._signature = None
                 raise
-        if self._replan:
+        if self._search is not None and self._search.ended:
+            self._end_search()
+        if self._search is not None:  # runs the largest size found to fit so far
+            self._interim = self._search.first_fit()
+            if self._interim is None:  # it ended while waiting
+                self._end_search()
+        if self._replan and self._search is None:
             self._replan = False
             self._use(self._largest("memory limit raised"), "the memory limit was raised")
 
@@ -320,10 +359,61 @@ class AdaptiveStep:
             return
         own = tree_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])
         self.sizing.measure_others(own)
-        if None in bindings:
-            self._plan_size(self._program)
-        else:
+        if None not in bindings:
             self._choose(bindings)
+        elif not self.background_search or jax.process_count() > 1:
+            self._plan_size(self._program)
+        elif not self._plan_cached(self._program):
+            first = max(
+                self.multiple_of, self._batch_size // 8 // self.multiple_of * self.multiple_of
+            )
+            self._search = BackgroundSearch(
+                lambda found: self._use(self._largest("init", on_fit=found, first=first), None)
+            )
+            return  # the timing, if any, once the search has ended (`_end_search`)
+        self._start_timing()
+
+    def finish_search(self) -> None:
+        """Waits for a search in the background (``background_search``) to end.
+
+        Its plan runs from the next call; its error, if it raised one, is raised here.
+        Nothing when no search runs.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> import jax_adaptive as ja
+            >>> def build_step(m):
+            ...     loss = lambda p, b, r: (b["x"] @ p - b["y"]) ** 2
+            ...     grad = lambda p, b: ja.micro_batch_grad(loss, m)(p, b).grads
+            ...     return jax.jit(lambda p, b: p - 0.1 * grad(p, b))
+            >>> step = ja.AdaptiveStep(build_step, background_search=True, plan_cache=False)
+            >>> batch = {"x": np.ones((64, 4), np.float32), "y": np.zeros(64, np.float32)}
+            >>> params = step(jnp.zeros(4), batch)  # at the first size found to fit
+            >>> step.finish_search()
+            >>> params = step(params, batch)  # at the plan
+            >>> step.micro_batch_size  # no limit: the whole batch
+            64
+        """
+        self._end_search()
+
+    def _end_search(self) -> None:
+        """Waits for a search in the background to end, and runs its plan from now on.
+
+        Its error (the user's code failing to trace at a size, nothing fitting) is raised
+        here; the next call with these shapes plans again.
+        """
+        search, self._search, self._interim = self._search, None, None
+        if search is None:
+            return
+        try:
+            search.finish()
+        except BaseException:
+            self._signature = None
+            raise
+        self._start_timing()
+
+    def _start_timing(self) -> None:
+        """``objective="throughput"``: the next calls time the candidates (if searched)."""
         if self.objective == "throughput" and self._program.largest is not None:
             # searched, not from the plan cache: the next calls time the candidates
             program, T, budget = self._program, self._batch_size, self.timing_budget
@@ -346,12 +436,19 @@ class AdaptiveStep:
 
     def _plan_size(self, binding: Binding, policy: str | None = None) -> int:
         """Plans ``binding``'s size (the plan cache's, else searched) and runs it from now on."""
+        if not self._plan_cached(binding, policy):
+            why = None if policy is None else f"remat policy {policy}"
+            self._use(self._largest("init"), why)
+        return binding.size
+
+    def _plan_cached(self, binding: Binding, policy: str | None = None) -> bool:
+        """Runs ``binding`` at the plan cache's size from now on; False: none stored."""
         self._program = binding
         size = binding.cached(self._batch_size, "init")
-        why = [] if policy is None else [f"remat policy {policy}"]
-        why += [] if size is None else ["from the plan cache"]
-        self._use(size if size is not None else self._largest("init"), ", ".join(why) or None)
-        return binding.size
+        if size is not None:
+            why = [] if policy is None else [f"remat policy {policy}"]
+            self._use(size, ", ".join([*why, "from the plan cache"]))
+        return size is not None
 
     def _sized(self, args: tuple[Any, ...], signature: Hashable, policy: str | None) -> Sized:
         """What the engine needs of ``policy``'s step for arguments like ``args``."""
@@ -383,11 +480,20 @@ class AdaptiveStep:
             fingerprint_at=lambda: self.multiple_of,
         )
 
-    def _largest(self, reason: str) -> int:
-        """The largest multiple of ``multiple_of`` up to the batch size that fits, trimmed."""
+    def _largest(
+        self,
+        reason: str,
+        on_fit: Callable[[int, Any], None] | None = None,
+        first: int | None = None,
+    ) -> int:
+        """The largest multiple of ``multiple_of`` up to the batch size that fits, trimmed.
+
+        ``on_fit(size, compiled)`` hears of each size found to fit as the search goes;
+        ``first`` is asked before the search (`Binding.largest_fitting`).
+        """
         lo, hi = self.multiple_of, self._batch_size // self.multiple_of * self.multiple_of
         largest = self._program.largest_fitting(
-            hi=hi, reason=reason, lo=lo, multiple_of=lo, least=lo
+            hi=hi, reason=reason, lo=lo, multiple_of=lo, least=lo, on_fit=on_fit, first=first
         )
         return self._trimmed(largest)
 
@@ -403,7 +509,7 @@ class AdaptiveStep:
         self._program.use(size)
         self._program.store(size, batch_size=self._batch_size)
         if size != before:
-            log.info("plan%s: %s", f" ({why})" if why else "", self.plan_info)
+            log.info("plan%s: %s", f" ({why})" if why else "", self._plan_of(size))
 
     def _timed(self, size: int, seconds: float, spent: float) -> None:
         """A timing call of ``size`` ran; once the timing is done, the fastest is used."""
@@ -429,18 +535,22 @@ class AdaptiveStep:
                 arguments (see ``host_backup``).
         """
         self._plan(args)
-        self._program.start()
+        interim = self._interim  # a search in the background: the size it found to fit
+        if interim is None:
+            self._program.start()
         again = False  # a size that ran failed: its second run keeps a host copy
         while True:
             timing = self._timing  # the first calls run the sizes it times: all train alike
             size = self.micro_batch_size if timing is None else timing.size
             cautious = again or not self._program.has_run(size) or self.host_backup == "every_call"
-            saved: Backup | None = {} if cautious else None
+            saved: Backup | None = {} if cautious or interim is not None else None
             start = time.perf_counter()
-            out, error = catch_oom(functools.partial(self._run, size, args, saved))
+            run = functools.partial(self._run, size, args, saved, interim and interim.compiled)
+            out, error = catch_oom(run)
             if error is None:
                 out, seconds = out
-                self._program.ran(size)
+                if interim is None:  # the binding is the search's while it runs
+                    self._program.ran(size)
                 if timing is not None:
                     self._timed(size, seconds, time.perf_counter() - start)
                 return out
@@ -448,6 +558,11 @@ class AdaptiveStep:
                 log.info("the timing stopped: %s ran out of memory", size)
                 self._timing = None
             args = self._restore(args, saved)
+            if interim is not None:  # the search ends first; then ``size`` shrinks as any
+                log.info("%s ran out of memory while the search went on", size)
+                self._end_search()
+                self._timing, interim = None, None
+                self._program.start()
             del out, saved  # what the failed attempt held goes before the retry
             # A size that ran is kept unless it fails again (the trainer's rule): one
             # failure can be a moment's (another job's peak, the last call's arrays).
@@ -462,12 +577,16 @@ class AdaptiveStep:
                 exc.arguments = args  # intact: the caller's own may have been donated
                 raise
 
-    def _run(self, size: int, args: tuple[Any, ...], saved: dict | None) -> tuple[Any, float]:
+    def _run(
+        self, size: int, args: tuple[Any, ...], saved: dict | None, compiled: Any = None
+    ) -> tuple[Any, float]:
         """One run of the step of ``size``, copying its donated arguments into ``saved``.
 
-        Returns what the step returned, and the seconds its run took (for a timing).
+        ``compiled``: its program (a search in the background compiled it); else the
+        binding's. Returns what the step returned, and the seconds its run took (for a
+        timing).
         """
-        compiled = self.compile(size)
+        compiled = self.compile(size) if compiled is None else compiled
         self.check(size)
         if saved is not None:
             saved.update(self._backup(args, compiled))

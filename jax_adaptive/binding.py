@@ -223,13 +223,17 @@ class Binding:
         return error is None
 
     def largest_fitting(
-        self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1
-    ) -> int:
+        self, *, hi: int, reason: str, lo: int = 1, multiple_of: int = 1, least: int = 1,
+        on_fit: Callable[[int, Any], None] | None = None, first: int | None = None,
+    ) -> int:  # fmt: skip
         """The largest size in ``[max(lo, least), hi]`` that fits, agreed; kept as ``largest``.
 
         Multiples of ``multiple_of`` (a multiple of ``least``) first; multiples of
         ``least`` below it when none fits; else `jax_adaptive.NothingFitsError`, with
-        the bytes needed and available.
+        the bytes needed and available. ``on_fit(size, compiled)``, if given, hears of
+        each size found to fit, with its compiled program, as the search goes.
+        ``first``: a size asked before the search (a multiple of ``multiple_of``), which
+        then looks only above it, or only below.
         """
         lo = max(lo, least)
         if hi < lo:
@@ -239,13 +243,21 @@ class Binding:
         multiple = multiple_of if hi // multiple_of * multiple_of >= lo else least
 
         def fits(size: int) -> bool:
-            return self.fits(size, reason)
+            ok = self.fits(size, reason)
+            if ok and on_fit is not None:
+                on_fit(size, self.executable(size).compiled)
+            return ok
 
         # Without a capacity only a compile can fail (on a CPU, no limit): one at a time.
         width = self.engine.compile_workers if capacity is not None else 1
         rounds = {"width": width, "prepare": self.prepare}
         start, compiles, trials = time.perf_counter(), self.engine.compiles, self.engine.search_log
         seen = len(trials)
+        if first is not None and lo <= first < hi and first % multiple == 0:
+            if fits(first):
+                lo = first
+            else:
+                hi = first - 1
 
         try:
             try:

@@ -90,6 +90,19 @@ def non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def boolean(name: str, value: Any) -> bool:
+    """Returns ``value`` if it is a bool (not 0, 1 or a string).
+
+    Examples:
+        >>> boolean("background_search", "yes")
+        Traceback (most recent call last):
+        TypeError: background_search must be True or False, got 'yes' (str).
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be True or False, got {_got(value)}.")
+    return bool(value)
+
+
 def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
     """Returns ``value`` if it is one of the ``choices`` (strings).
 
