@@ -369,19 +369,27 @@ def timed_calls(step: Callable[..., Any], objects: tuple[Any, ...], batch: Any) 
 
 
 def nnx_first_update(
-    mnist: Any, batch: dict[str, np.ndarray], limit: int, workers: int, cache: Path | bool
-) -> dict[str, Any]:
+    mnist: Any, batch: dict[str, np.ndarray], limit: int, workers: int, cache: Path | bool,
+    background: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """The converted step's first update under ``limit``: its seconds, compiles and plan.
 
     ``cache``: the plan cache's file (a second run with it knows the plan: no search) or
-    False.
+    False. ``background``: ``background_search``; the calls' sizes are the first fit's,
+    ``size`` the plan's once the search has ended.
     """
     os.environ["JAX_ADAPTIVE_COMPILE_WORKERS"] = str(workers)  # read as the step is made
     step = ja.AdaptiveNnxStep(
-        mnist.train_step.step_fn, memory_limit=limit, objective="max", plan_cache=cache
-    )
+        mnist.train_step.step_fn, memory_limit=limit, objective="max", plan_cache=cache,
+        background_search=background,
+    )  # fmt: skip
     first, second = timed_calls(step, nnx_objects(mnist), batch)
+    first_size = step.micro_batch_size
+    start = time.perf_counter()
+    step.step.finish_search()  # background: the rest of the search, beside no training here
     return {
+        "first_size": first_size,
+        "search_left_seconds": time.perf_counter() - start,
         "size": step.micro_batch_size,
         "workers": workers,
         "compiles": step.step.compiles,
@@ -426,6 +434,7 @@ def nnx_cases(mnist: Any, T: int, fractions: list[float], workers: int) -> list[
             results = {"ours_serial": nnx_first_update(mnist, batch, limit, 1, cache)}
             known = nnx_first_update(mnist, batch, limit, 1, cache)  # the plan from the cache
         results["ours"] = nnx_first_update(mnist, batch, limit, workers, False)
+        results["ours_background"] = nnx_first_update(mnist, batch, limit, 1, False, True)
         exact_size = largest_by_bisection(probe.step, limit, T)
         sizes = {r["size"] for r in (*results.values(), known)}
         assert sizes == {exact_size}, (results, known, exact_size)
@@ -475,6 +484,9 @@ def print_tables(cases: list[dict[str, Any]]) -> None:
     print("total seconds: ", {a: round(s, 1) for a, s in seconds.items()})
 
 
+NNX_WAYS = ("ours_serial", "ours", "ours_background")  # one at a time, in rounds, beside
+
+
 def print_nnx(cases: list[dict[str, Any]]) -> None:
     """The NNX step's first update: ours (serial, rounds), the plan known, plain ``nnx.jit``.
 
@@ -491,17 +503,19 @@ def print_nnx(cases: list[dict[str, Any]]) -> None:
             f"{c['plain_second_update_seconds']:.2f} s plain, "
             f"{c['known_plan']['second_update_seconds']:.2f} s ours; "
             + "; ".join(
-                f"{a} {r[a]['first_update_seconds']:.1f} s, {r[a]['compiles']} compiles "
-                f"({r[a]['wall_over_one_compile']:.1f}x)"
-                for a in ("ours_serial", "ours")
+                f"{a} {r[a]['first_update_seconds']:.1f} s at {r[a]['first_size']}, "
+                f"{r[a]['compiles']} compiles ({r[a]['wall_over_one_compile']:.1f}x)"
+                for a in NNX_WAYS
             )
         )
 
 
-def median_ratio(cases: list[dict[str, Any]]) -> dict[str, float | None]:
+def median_ratio(
+    cases: list[dict[str, Any]], ways: tuple[str, ...] = ("ours_serial", "ours")
+) -> dict[str, float | None]:
     """The median search wall / one compile over ``cases``, serial and in rounds."""
     out: dict[str, float | None] = {}
-    for a in ("ours_serial", "ours"):
+    for a in ways:
         ratios = [r for c in cases if (r := c["results"][a]["wall_over_one_compile"])]
         out[a] = float(np.median(ratios)) if ratios else None
     return out
@@ -596,7 +610,7 @@ def main() -> None:
         "workers": args.workers,
         "cpu_count": os.cpu_count(),
         "median_wall_over_one_compile": median_ratio(cases),
-        "nnx_median_wall_over_one_compile": median_ratio(nnx_results),
+        "nnx_median_wall_over_one_compile": median_ratio(nnx_results, NNX_WAYS),
         "cases": cases,
         "nnx_cases": nnx_results,
         "total_seconds": time.perf_counter() - start,
