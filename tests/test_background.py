@@ -6,7 +6,7 @@ against brute force in test_step.py), every size's ledger (brute force), and pla
 full-batch Adam.
 """
 
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,6 @@ from jax_adaptive.testing import FaultInjector
 
 T = 24
 OPT = optax.adam(1e-2)
-SLOW = 0.3  # seconds each size traced after the first fit waits: the search goes on
 
 
 def _loss(params, batch, rng):  # per example, as a user writes one
@@ -47,6 +46,7 @@ def _batches(n):
 
 
 BUILD = donating_step_builder(_loss, OPT)
+GATE_TIMEOUT = 20  # seconds: a search that blocks the first call fails the test, late
 
 
 class Runs:
@@ -60,6 +60,20 @@ class Runs:
 
     def before_compile(self, size):
         pass
+
+
+class OpensOnRun:
+    """A fault hook that opens ``gate`` at the first run, then lets ``inner`` act."""
+
+    def __init__(self, gate, inner):
+        self.gate, self.inner = gate, inner
+
+    def before_execution(self, size, args):
+        self.gate.set()
+        self.inner.before_execution(size, args)
+
+    def before_compile(self, size):
+        self.inner.before_compile(size)
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +93,16 @@ def in_line():
     return {"limit": limit, "ledgers": ledgers, "plan": step.plan_info, "first_fit": T // 8}
 
 
-def _slow_after(in_line, fail_once=None):
-    """The builder, the sizes but the first fit slow to trace (and one failing once)."""
+def _gated(in_line, gate, fail_once=None):
+    """The builder: the sizes but the first fit wait for ``gate`` (and one fails once).
+
+    The search cannot go past its first fit before the test opens the gate: the first
+    call runs while it goes on, whatever the machine's load.
+    """
 
     def build(m):
         if m != in_line["first_fit"]:
-            time.sleep(SLOW)
+            gate.wait(timeout=GATE_TIMEOUT)  # a search in line must not hang the test
         if fail_once is not None and m == fail_once[0] and not fail_once[1]:
             fail_once[1] = True
             raise ValueError(f"the user's step fails to trace at {m}")
@@ -96,20 +114,18 @@ def _slow_after(in_line, fail_once=None):
 def test_the_first_call_runs_at_the_first_fit_then_the_plan_and_trains_exactly(in_line):
     first, plan = in_line["first_fit"], in_line["plan"]
     assert first != plan.micro_batch_size
-    runs = Runs()
+    runs, gate = Runs(), threading.Event()
     step = ja.AdaptiveStep(
-        _slow_after(in_line), memory_limit=in_line["limit"], plan_cache=False,
+        _gated(in_line, gate), memory_limit=in_line["limit"], plan_cache=False,
         background_search=True,
     )  # fmt: skip
     step.fault_hook = runs
     batches = _batches(4)
     state = (_params(), OPT.init(_params()))
-    start = time.perf_counter()
-    state, _ = step(state, batches[0])
-    first_call = time.perf_counter() - start
-    assert runs.sizes == [first], runs.sizes  # before the search ended
+    state, _ = step(state, batches[0])  # the search waits at the gate: not over
+    assert runs.sizes == [first], runs.sizes
     assert "while the search goes on" in str(step.plan_info)
-    assert first_call < 2 * SLOW  # it did not wait for the search (5 sizes, each SLOW)
+    gate.set()
     # plan() waits for the search: the plan made in line, the largest by brute force.
     final = step.plan(state, batches[1])
     fitting = [s for s, total in in_line["ledgers"].items() if total <= step.capacity()]
@@ -124,11 +140,12 @@ def test_the_first_call_runs_at_the_first_fit_then_the_plan_and_trains_exactly(i
 
 def test_an_out_of_memory_at_the_first_fit_waits_for_the_search_then_shrinks(in_line):
     first = in_line["first_fit"]
+    gate, faults = threading.Event(), FaultInjector(executions={1})  # the first fit's run
     step = ja.AdaptiveStep(
-        _slow_after(in_line), memory_limit=in_line["limit"], plan_cache=False,
+        _gated(in_line, gate), memory_limit=in_line["limit"], plan_cache=False,
         background_search=True,
     )  # fmt: skip
-    step.fault_hook = faults = FaultInjector(executions={1})  # the first fit's first run
+    step.fault_hook = OpensOnRun(gate, faults)  # the search goes on once it has failed
     batches = _batches(3)
     state = (_params(), OPT.init(_params()))
     for batch in batches:
@@ -141,13 +158,15 @@ def test_an_out_of_memory_at_the_first_fit_waits_for_the_search_then_shrinks(in_
 
 def test_an_error_on_the_search_s_thread_is_raised_and_the_next_call_plans_again(in_line):
     failing = [10, False]  # asked by every exact search: 9 fits, 10 does not
+    gate = threading.Event()
     step = ja.AdaptiveStep(
-        _slow_after(in_line, failing), memory_limit=in_line["limit"], plan_cache=False,
+        _gated(in_line, gate, failing), memory_limit=in_line["limit"], plan_cache=False,
         background_search=True,
     )  # fmt: skip
     state = (_params(), OPT.init(_params()))
     batches = _batches(2)
     state, _ = step(state, batches[0])  # at the first fit
+    gate.set()
     with pytest.raises(ValueError, match="fails to trace at"):
         step.plan(state, batches[1])
     state, _ = step(state, batches[1])  # plans again, in the background
