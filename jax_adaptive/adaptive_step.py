@@ -331,8 +331,6 @@ class AdaptiveStep:
             except BaseException:  # not planned: the next call with these shapes plans again
                 self._signature = None
                 raise
-        if self._search is not None and self._search.ended:
-            self._end_search()
         if self._search is not None:  # runs the largest size found to fit so far
             self._interim = self._search.first_fit()
             if self._interim is None:  # it ended while waiting

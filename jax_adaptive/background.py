@@ -60,11 +60,6 @@ class BackgroundSearch:
         )
         self._thread.start()
 
-    @property
-    def ended(self) -> bool:
-        """Whether the search has ended (with a result or an error)."""
-        return self._ended
-
     def first_fit(self) -> Fit | None:
         """The largest size found to fit so far, after waiting for the first; None once ended."""
         with self._changed:

@@ -32,8 +32,6 @@ __all__ = [
     "check_target_batch_size",
     "compile_workers",
     "fixed_size",
-    "flag_int",
-    "flag_number",
     "is_int",
     "non_negative_int",
     "on_device",
@@ -451,43 +449,6 @@ def check_buckets(buckets: Any) -> tuple[Any, ...]:
             f"got {_got(buckets)}."
         )
     return listed
-
-
-def flag_int(
-    flag: str, value: Any, *, low: int = 1, high: int | None = None, high_name: str | None = None
-) -> int:
-    """A command-line flag's int from ``low`` to ``high``, or a one-line `ValueError` naming it.
-
-    Every wrong value (a bool, a float, out of range) is a `ValueError`: the flag's text is
-    already parsed. ``high_name`` names ``high`` in the message (``"2**31 - 1"``, a flag).
-
-    Examples:
-        >>> flag_int("--updates", 0)
-        Traceback (most recent call last):
-        ValueError: --updates 0 must be a positive int.
-        >>> flag_int("--seed", 2**70, low=0, high=2**63 - 1, high_name="2**63 - 1")
-        Traceback (most recent call last):
-        ValueError: --seed 1180591620717411303424 must be at most 2**63 - 1.
-    """
-    if not is_int(value) or value < low:
-        kind = "a positive int" if low == 1 else f"an int, {low} or more"
-        raise ValueError(f"{flag} {value!r} must be {kind}.")
-    if high is not None and value > high:
-        raise ValueError(f"{flag} {value} must be at most {high_name or high}.")
-    return int(value)
-
-
-def flag_number(flag: str, value: Any) -> float:
-    """A command-line flag's finite number above 0, or a one-line `ValueError` naming it.
-
-    Examples:
-        >>> flag_number("--epochs", float("inf"))
-        Traceback (most recent call last):
-        ValueError: --epochs inf must be a finite number above 0.
-    """
-    if not (_is_number(value) and np.isfinite(value) and value > 0):
-        raise ValueError(f"{flag} {value!r} must be a finite number above 0.")
-    return float(value)
 
 
 def compile_workers() -> int:

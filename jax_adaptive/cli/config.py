@@ -252,7 +252,7 @@ def check_config(config: TrainConfig) -> None:
     config.distributed_args()  # raises naming the flag
     if config.tensorboard:
         check_extra("tensorboardX", "tensorboard", "--tensorboard")
-    check, t_max = checks.flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
+    check, t_max = flag_int, {"high": _MAX_T, "high_name": "2**31 - 1"}
     check("--distributed-timeout", config.distributed_timeout)
     check("--target-batch-size", config.target_batch_size, **t_max)
     if config.batch_schedule is not None:
@@ -265,10 +265,10 @@ def check_config(config: TrainConfig) -> None:
               high_name=f"{bound} {largest}")  # fmt: skip
     if config.memory_limit is not None:
         check("--memory-limit", config.memory_limit)
-    checks.flag_number("--learning-rate", config.learning_rate)
+    flag_number("--learning-rate", config.learning_rate)
     check("--updates", config.updates)
     if config.epochs is not None:
-        checks.flag_number("--epochs", config.epochs)
+        flag_number("--epochs", config.epochs)
     check("--seed", config.seed, low=0, high=2**63 - 1, high_name="2**63 - 1")
     check("--checkpoint-every", config.checkpoint_every)
     if config.multiple_of is not None:
@@ -410,3 +410,41 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     import optax  # here: the flags are checked before optax (and JAX) are imported
 
     return getattr(optax, config.optimizer)(config.learning_rate)
+
+
+def flag_int(
+    flag: str, value: Any, *, low: int = 1, high: int | None = None, high_name: str | None = None
+) -> int:
+    """A command-line flag's int from ``low`` to ``high``, or a one-line `ValueError` naming it.
+
+    Every wrong value (a bool, a float, out of range) is a `ValueError`: the flag's text is
+    already parsed. ``high_name`` names ``high`` in the message (``"2**31 - 1"``, a flag).
+
+    Examples:
+        >>> flag_int("--updates", 0)
+        Traceback (most recent call last):
+        ValueError: --updates 0 must be a positive int.
+        >>> flag_int("--seed", 2**70, low=0, high=2**63 - 1, high_name="2**63 - 1")
+        Traceback (most recent call last):
+        ValueError: --seed 1180591620717411303424 must be at most 2**63 - 1.
+    """
+    if not checks.is_int(value) or value < low:
+        kind = "a positive int" if low == 1 else f"an int, {low} or more"
+        raise ValueError(f"{flag} {value!r} must be {kind}.")
+    if high is not None and value > high:
+        raise ValueError(f"{flag} {value} must be at most {high_name or high}.")
+    return int(value)
+
+
+def flag_number(flag: str, value: Any) -> float:
+    """A command-line flag's finite number above 0, or a one-line `ValueError` naming it.
+
+    Examples:
+        >>> flag_number("--epochs", float("inf"))
+        Traceback (most recent call last):
+        ValueError: --epochs inf must be a finite number above 0.
+    """
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} {value!r} must be a finite number above 0.")
+    return float(value)
