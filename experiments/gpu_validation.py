@@ -225,7 +225,11 @@ def _oom_limit() -> tuple[int, str]:
     import jax.numpy as jnp
 
     device = jax.devices()[0]
-    jnp.zeros(8).block_until_ready()  # JAX has started: its threads and pools exist
+    # JAX has started: its threads and pools exist. XLA makes its compile thread pool at
+    # its first compile, not at a compilation cache's hit, so a smoke child has no cache
+    # (spawn): a pool made under the limit aborted the process ("Thread
+    # tf_xla-cpu-codegen creation via pthread_create() failed").
+    jnp.zeros(8).block_until_ready()
     stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"], "memory_stats()['bytes_limit']"
@@ -841,6 +845,8 @@ def spawn(name: str, smoke: bool, timeout: float, size: int | None = None) -> di
     flags = (os.environ.get("XLA_FLAGS", ""), added)  # added to the caller's flags
     env_set["XLA_FLAGS"] = " ".join(f for f in flags if f)
     env = {**os.environ, **env_set}
+    if smoke:  # a hit loads a program without compiling: see _limit
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]
     cmd += ["--smoke"] if smoke else []

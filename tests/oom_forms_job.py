@@ -13,6 +13,11 @@ if __name__ == "__main__":  # before JAX starts; never when a test imports this 
     # the session's optimisation level 0, 11 s at the default).
     os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_ynn_fusion_type="
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # No compilation cache: a hit loads a program without compiling, and XLA makes its
+    # compile thread pool at its first compile, which must come before the limit (a
+    # pool made under it failed: "Thread tf_xla-cpu-codegen creation via
+    # pthread_create() failed", an abort, once in about 15 suite runs).
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import gc
 import json
