@@ -252,18 +252,19 @@ class Binding:
         width = self.engine.compile_workers if capacity is not None else 1
         rounds = {"width": width, "prepare": self.prepare}
         start, compiles, trials = time.perf_counter(), self.engine.compiles, self.engine.search_log
-        seen = len(trials)
+        seen, known = len(trials), None
         if first is not None and lo <= first < hi and first % multiple == 0:
             if fits(first):
-                lo = first
+                known = first  # the search looks above it, and does not ask it again
             else:
                 hi = first - 1
 
         try:
             try:
                 found = search_max_size(
-                    fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose, **rounds
-                )
+                    fits, lo=lo, hi=hi, multiple_of=multiple, propose=propose,
+                    known_good=known, **rounds,
+                )  # fmt: skip
             except NothingFitsError:
                 if multiple == least or lo >= multiple:
                     raise

@@ -51,6 +51,7 @@ def search_max_size(
     propose: Callable[[int | None, int | None], int | None] | None = None,
     width: int = 1,
     prepare: Callable[[list[int]], None] | None = None,
+    known_good: int | None = None,
 ) -> SearchResult:
     """Finds the exact largest size in ``[lo, hi]``, a multiple of ``multiple_of``, that fits.
 
@@ -77,6 +78,8 @@ def search_max_size(
             ignored outside the bracket.
         width: the sizes asked per round, at least 1.
         prepare: ``prepare(sizes)``, called with each round's sizes before ``fits``.
+        known_good: a candidate already known to fit: the bracket starts above it, and
+            it is not asked again.
 
     Raises:
         NothingFitsError: when the smallest candidate does not fit.
@@ -93,6 +96,8 @@ def search_max_size(
         33
         >>> rounds  # each round's sizes, asked side by side
         [[21, 43, 64], [26, 32, 37], [33, 34, 35]]
+        >>> [t.size for t in search_max_size(lambda s: s <= 40, hi=64, known_good=8).trials]
+        [36, 50, 43, 39, 41, 40]
     """
     _check_int("lo", lo, 1)
     _check_int("hi", hi, 1)
@@ -124,6 +129,13 @@ def search_max_size(
     # the budget could still finish by bisection if it narrowed the bracket by one.
     budget = 2 * (last - first + 1).bit_length() + 2
     good, bad, rounds = first - 1, last + 1, 0
+    if known_good is not None:
+        _check_int("known_good", known_good, 1)
+        if known_good % multiple_of or not first <= known_good // multiple_of <= last:
+            raise ValueError(
+                f"{known_good=} is not a multiple of {multiple_of=} in [{lo=}, {hi=}]."
+            )
+        good = known_good // multiple_of
     while bad - good > 1:
         affordable = rounds + 1 + (bad - good - 2).bit_length() <= budget
         k = proposal(good, bad) if affordable and propose is not None else None

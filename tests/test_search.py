@@ -57,6 +57,39 @@ def test_matches_brute_force(lo, span, multiple_of, threshold):
 
 
 @settings(max_examples=200, deadline=None)
+@given(**BRACKETS, known=st.integers(0, 10**6), width=st.integers(1, 4))
+def test_a_size_known_to_fit_is_not_asked_and_the_answer_stays_exact(
+    lo, span, multiple_of, threshold, known, width
+):
+    """``known_good``: asked before the search (the background search's first size)."""
+    hi = lo + span
+    expected = brute_force(threshold, lo, hi, multiple_of)
+    if expected is None:
+        return
+    fitting = [s for s in range(lo, expected + 1) if s % multiple_of == 0]
+    known_good = fitting[known % len(fitting)]
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        assert known_good < size <= hi and size % multiple_of == 0
+        return size <= threshold
+
+    result = search_max_size(
+        fits, lo=lo, hi=hi, multiple_of=multiple_of, known_good=known_good, width=width
+    )
+    assert result.size == expected
+    assert len(set(calls)) == len(calls) <= bound(lo, hi, multiple_of) * width
+
+
+def test_a_size_known_to_fit_must_be_a_candidate():
+    with pytest.raises(ValueError, match="known_good=12 is not a multiple of multiple_of=8"):
+        search_max_size(lambda s: True, hi=64, multiple_of=8, known_good=12)
+    with pytest.raises(ValueError, match="known_good=72"):
+        search_max_size(lambda s: True, hi=64, multiple_of=8, known_good=72)
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     hi=st.integers(1, 5000),
     threshold=st.integers(1, 5000),
