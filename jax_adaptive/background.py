@@ -30,8 +30,8 @@ class BackgroundSearch:
     result, or its error, once it has ended (`finish`).
 
     Args:
-        search: runs the search; calls ``found(size, compiled)`` for each size that
-            fits, on its own thread.
+        search: runs the search and returns its result; calls ``found(size, compiled)``
+            for each size that fits, on its own thread.
 
     Examples:
         >>> import time
@@ -39,16 +39,19 @@ class BackgroundSearch:
         ...     found(4, "program at 4")  # the first size found to fit
         ...     time.sleep(0.05)  # the search goes on
         ...     found(6, "program at 6")
+        ...     return 6
         >>> background = BackgroundSearch(search)
         >>> background.first_fit().size  # waits for the first fit only
         4
         >>> background.finish()  # waits for the end (raises the search's error)
+        6
         >>> background.first_fit() is None  # ended: no interim size
         True
     """
 
-    def __init__(self, search: Callable[[Callable[[int, Any], None]], None]):
+    def __init__(self, search: Callable[[Callable[[int, Any], None]], Any]):
         self._fit: Fit | None = None
+        self._result: Any = None
         self._ended = False
         self._error: BaseException | None = None
         self._changed = threading.Condition()
@@ -66,11 +69,12 @@ class BackgroundSearch:
             self._changed.wait_for(lambda: self._fit is not None or self._ended)
             return None if self._ended else self._fit
 
-    def finish(self) -> None:
-        """Waits for the search to end; raises its error, if it raised one."""
+    def finish(self) -> Any:
+        """Waits for the search to end and returns its result; raises its error, if any."""
         self._thread.join()
         if self._error is not None:
             raise self._error
+        return self._result
 
     def _found(self, size: int, compiled: Any) -> None:
         with self._changed:
@@ -78,9 +82,9 @@ class BackgroundSearch:
                 self._fit = Fit(size, compiled)
             self._changed.notify_all()
 
-    def _run(self, search: Callable[[Callable[[int, Any], None]], None]) -> None:
+    def _run(self, search: Callable[[Callable[[int, Any], None]], Any]) -> None:
         try:
-            search(self._found)
+            self._result = search(self._found)
         except BaseException as exc:  # raised on the caller's thread by `finish`
             self._error = exc
         finally:

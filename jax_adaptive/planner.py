@@ -11,6 +11,7 @@ size's micro-steps are dispatched.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import jax
 
 from jax_adaptive import checks
+from jax_adaptive.background import BackgroundSearch
 from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory
@@ -30,6 +32,8 @@ from jax_adaptive.timing import plan_timing, run_offline
 
 __all__ = ["GrowPolicy", "Planner"]
 
+log = logging.getLogger("jax_adaptive")
+
 GrowPolicy = Literal["never", "on_limit_change"] | int
 
 
@@ -41,7 +45,7 @@ class Planner:
             ``sizing`` engine decides which sizes fit.
         target_batch_size: examples per update (the first update's, with a schedule).
         fixed: a fixed size, never searched nor changed; None to search.
-        grow, multiple_of, objective, chunk, timing_budget: as
+        grow, multiple_of, objective, chunk, timing_budget, background_search: as
             `jax_adaptive.AdaptiveTrainer` documents them.
         shards: the data shards every size must be a multiple of.
 
@@ -50,6 +54,8 @@ class Planner:
         size: the size in use (None before `plan_for`).
         largest: the largest size that fits, when searched.
         source: how the size was decided (`jax_adaptive.Plan`'s ``source``).
+        searching: a search runs in the background (``background_search``): `size` is
+            the largest it found to fit so far, run one micro-step a dispatch.
     """
 
     def __init__(
@@ -64,8 +70,12 @@ class Planner:
         objective: Objective = "least_padding",
         chunk: int | Literal["auto"] = "auto",
         timing_budget: float | None = None,
+        background_search: bool = False,
     ):
         self.executables, self.sizing = executables, executables.sizing
+        self.background_search = background_search
+        self._search: BackgroundSearch | None = None
+        self._timing_due = False  # a search ended with no state at hand to time its plans
         self.timing_budget = timing_budget
         self.target_batch_size, self.fixed = target_batch_size, fixed
         self.grow = checks.check_grow(grow)
@@ -158,6 +168,13 @@ class Planner:
         """
         if self.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
+        if self.searching:  # one micro-step a dispatch, the optimizer step apart
+            return Plan(
+                self.size, math.ceil(self.target_batch_size / self.size),
+                self.executables.ledger(self.size), self.capacity(), chunk=1, fused=False,
+                source="while the search goes on",
+                collectives=self.executables.collectives(self.size),
+            )  # fmt: skip
         known = self.program.peak(self.size) is not None
         known &= self.chunking.chunk_of is not None or jax.process_count() == 1
         timed, search = self.program.timed_for(self.size), self.program.search
@@ -206,9 +223,65 @@ class Planner:
         if size is not None:
             self._use(size, "plan cache")
             return self.size
+        if self.background_search and jax.process_count() == 1:
+            self._search_in_background()
+            return self.size
         size = self._searched(self.target_batch_size, "init")
         self._use(self._chosen(state, size), "searched")
         return self.size
+
+    @property
+    def searching(self) -> bool:
+        """Whether a search runs in the background (`size`: the largest it found so far)."""
+        return self._search is not None
+
+    def _search_in_background(self) -> None:
+        """Starts the search on a thread and runs the first size it finds to fit.
+
+        It asks an eighth of the target first, which fits most limits: the first update
+        waits for one compile (and the optimizer step's, compiled beside it). Every plan
+        trains the same, so the updates until the search ends are training.
+        """
+        T, multiple = self.target_batch_size, self._multiple
+        first = max(multiple, T // 8 // multiple * multiple)
+        self._search = BackgroundSearch(
+            lambda found: self.program.largest_fitting(
+                hi=T, reason="init", multiple_of=multiple, least=self.shards, on_fit=found,
+                first=first,
+            )
+        )  # fmt: skip
+        self.optimizer_step()  # on this thread while the search compiles its first size
+        self._follow_search()
+
+    def _follow_search(self, state: TrainState | None = None) -> None:
+        """Runs the largest size the search has found so far; its plan once it has ended."""
+        fit = self._search.first_fit()  # type: ignore[union-attr]
+        if fit is None:  # it has ended
+            self._end_search(state)
+        else:
+            self.size, self.source = fit.size, "while the search goes on"
+
+    def finish_search(self) -> None:
+        """Waits for a search in the background to end; its plan runs from the next update."""
+        if self._search is not None:
+            self._end_search()
+
+    def _end_search(self, state: TrainState | None = None) -> None:
+        """Takes the ended search's plan; its error, if any, is raised (and nothing is planned).
+
+        ``objective="throughput"`` times the plans with ``state``, or at the next update's
+        start when there is none at hand.
+        """
+        search, self._search = self._search, None
+        try:
+            largest = search.finish()  # type: ignore[union-attr]
+        except BaseException:
+            self.size = None  # as after an init that raised: init again
+            raise
+        self._found(largest, self.target_batch_size)
+        self._timing_due = state is None and self.objective == "throughput"
+        self._use(self._trimmed(largest) if state is None else self._chosen(state, largest),
+                  "searched")  # fmt: skip
 
     def _chosen(self, state: TrainState, largest: int) -> int:
         """The size the objective takes below ``largest``: timed, for ``"throughput"``."""
@@ -226,11 +299,16 @@ class Planner:
 
         A multiple of ``multiple_of`` (and always of the data shards) unless none fits.
         """
-        self.largest = self.program.largest_fitting(
+        largest = self.program.largest_fitting(
             hi=hi, reason=reason, lo=lo, multiple_of=self._multiple, least=self.shards
         )
-        self._open = self.largest + self._multiple > hi  # nothing above it could be tried
-        return self.largest
+        return self._found(largest, hi)
+
+    def _found(self, largest: int, hi: int) -> int:
+        """Remembers ``largest``, the largest size up to ``hi`` that fits."""
+        self.largest = largest
+        self._open = largest + self._multiple > hi  # nothing above it could be tried
+        return largest
 
     def _fixed_for(self, T: int) -> int:
         """The fixed size, capped by ``T`` (a multiple of the data shards)."""
@@ -245,6 +323,7 @@ class Planner:
         """
         if T == self.target_batch_size:
             return
+        self.finish_search()  # searched for the last target
         self.target_batch_size = T
         if self.size is None:  # not planned yet: plan_for plans for T
             return
@@ -309,9 +388,16 @@ class Planner:
 
     # ------------------------------------------------------------ changes
 
-    def start_update(self) -> None:
-        """Called at each update's start: follows the limit, grows back if the policy says so."""
+    def start_update(self, state: TrainState) -> None:
+        """Called at each update's start: follows the search, the limit, grows if it may."""
         self.program.start()
+        if self._search is not None:
+            self._follow_search(state)
+            if self._search is not None:  # the limit is followed once the plan is made
+                return
+        if self._timing_due:  # ``objective="throughput"``: the ended search's plans
+            self._timing_due = False
+            self._use(self._chosen(state, self.largest), "searched")  # type: ignore[arg-type]
         self._follow_limit()
         if self.fixed is not None or self.size == self.target_batch_size:
             return
@@ -348,7 +434,14 @@ class Planner:
         self.chunking.forget(chunk=jax.process_count() == 1)
 
     def shrink(self, exc: BaseException, size: int) -> int:
-        """Plans a smaller size after ``size`` ran out of memory (`Sizing.shrink`)."""
+        """Plans a smaller size after ``size`` ran out of memory (`Sizing.shrink`).
+
+        A search in the background ends first; then ``size`` shrinks as any.
+        """
+        if self._search is not None:
+            log.info("%s ran out of memory while the search went on", size)
+            self._end_search()
+            self._timing_due = False  # memory is tighter than planned: no timing
         largest = self.program.shrink(
             exc, size, reason="step", multiple_of=self._multiple, least=self.shards
         )

@@ -80,6 +80,12 @@ class AdaptiveTrainer:
             batch's count (its real tokens, over every process) instead of
             ``target_batch_size``: ``loss_fn`` then returns each example's sum (its tokens'
             losses summed), and a token weighs the same in every batch and plan.
+        background_search: the first update waits only for one size known to fit (an
+            eighth of the target, usually one compile): the search goes on on a thread
+            while updates run that size, one micro-step a dispatch, and its plan runs
+            from the update after it ends (`finish_search` waits for it). Every plan
+            trains the same. One loss (not `jax_adaptive.RematChoices`); several
+            processes search before the first update.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -123,9 +129,16 @@ class AdaptiveTrainer:
         global_batches: bool = False,
         normalizer: Normalizer | None = None,
         opt_state_sharding: Any = None,
+        background_search: bool = False,
     ):
         # Several losses, one per remat policy: a plan over (policy, size) picks one.
         losses = choices_of(loss_fn, "loss_fn")
+        background_search = checks.boolean("background_search", background_search)
+        if background_search and None not in losses:
+            raise ValueError(
+                "background_search=True plans one loss; got RematChoices of "
+                f"{len(losses)} policies, planned one after another."
+            )
         self.optimizer = checks.check_optimizer(optimizer)
         self.normalizer = checks.check_normalizer(normalizer)
         self.schedule = BatchSchedule(target_batch_size)
@@ -164,7 +177,7 @@ class AdaptiveTrainer:
             planner = Planner(
                 executables, target_batch_size=T, fixed=fixed, grow=grow,
                 multiple_of=multiple_of, shards=self.shards, objective=objective, chunk=chunk,
-                timing_budget=timing_budget,
+                timing_budget=timing_budget, background_search=background_search,
             )  # fmt: skip
             return Lever(executables, planner, Updater(planner, self.placement, in_flight))
 
@@ -286,9 +299,30 @@ class AdaptiveTrainer:
             1
         """
         leading_size(example_batch, "example_batch")
+        self._planner.finish_search()  # the last shapes' search, before others bind
         T = self._cursor.size_at(self._cursor.seen(state.updates))
         lever = self._levers.plan(state, example_batch, T, self.plan_cache)
         self._executables, self._planner, self._updater = lever
+
+    def finish_search(self) -> None:
+        """Waits for a search in the background (``background_search``) to end.
+
+        Its plan runs from the next update; its error, if it raised one, is raised here
+        (the trainer is then not planned: `init` or `plan` again). Nothing when no
+        search runs.
+
+        Examples:
+            >>> import jax.numpy as jnp, numpy as np, optax, jax_adaptive as ja
+            >>> trainer = ja.AdaptiveTrainer(lambda p, b, r: (b * p - 1) ** 2, optax.sgd(0.1),
+            ...     target_batch_size=64, memory_limit=2**20, background_search=True,
+            ...     plan_cache=False)
+            >>> state = trainer.init(jnp.ones(()), np.ones(64, np.float32))
+            >>> state, _ = trainer.step(state, np.ones(64, np.float32))  # the largest found yet
+            >>> trainer.finish_search()
+            >>> trainer.micro_batch_size  # the plan: the whole batch fits a MiB
+            64
+        """
+        self._planner.finish_search()
 
     def compile(self, size: int, chunk: int = 1, *, with_optimizer_step: bool = False) -> Any:
         """The compiled program of ``chunk`` micro-steps of ``size`` (compiled once).
@@ -492,6 +526,7 @@ class AdaptiveTrainer:
     def _checked_program(self, size: int, chunk: int) -> None:
         """Plans for the next update's target and checks a program's size and chunk."""
         self._require_init()
+        self._planner.finish_search()  # its thread compiles the same programs
         self._sync_target()
         checks.check_program(size, chunk, self.target_batch_size)
 

@@ -123,7 +123,7 @@ class Updater:
 
         The programs take ``T`` at run time: a new ``T`` compiles no size again.
         """
-        self.planner.start_update()
+        self.planner.start_update(state)
         if weights is None:  # every row live: nothing to gather
             weights = self._ones(self.placement.share(self.T))
         else:
@@ -140,7 +140,8 @@ class Updater:
                 if not is_oom(exc):
                     raise
                 finishing, progress.finishing = progress.finishing, False
-                if self.chunking.chunk(size, self.T) > 1 or finishing:
+                chunked = not self.planner.searching and self.chunking.chunk(size, self.T) > 1
+                if chunked or finishing:
                     self.chunking.unchunk(size)  # the extra of a chunk or the optimizer step's
                 elif self.planner.fixed is not None:
                     raise
@@ -178,8 +179,7 @@ class Updater:
         and keep a host copy of its result: a failure costs one program, not the update.
         """
         T = self.T
-        self.chunking.settle(state, size, T)  # the chunk, timed once on a CPU
-        chunk, final = self.chunking.chunk(size, T), self.chunking.final(size, T)
+        chunk, final = self._dispatch(state, size)
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         ran = (size, chunk, final is not None)
         cautious = cautious or not self.planner.program.has_run(ran)
@@ -224,6 +224,17 @@ class Updater:
         if p.done is None:  # a late (asynchronous) failure must surface as the program's
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
         self.planner.program.ran(ran)
+
+    def _dispatch(self, state: TrainState, size: int) -> tuple[int, tuple[int, Any] | None]:
+        """Micro-steps of ``size`` per dispatch, and the last program if fused (`Chunking`).
+
+        While a search goes on in the background, one a dispatch and the optimizer step
+        apart: its sizes run with the programs it compiled, no other.
+        """
+        if self.planner.searching:
+            return 1, None
+        self.chunking.settle(state, size, self.T)  # the chunk, timed once on a CPU
+        return self.chunking.chunk(size, self.T), self.chunking.final(size, self.T)
 
     def _int(self, value: int) -> jax.Array:
         """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""

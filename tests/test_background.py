@@ -1,13 +1,15 @@
-"""``AdaptiveStep(..., background_search=True)``: the first call runs at the first size
-found to fit while the search goes on; later calls take the searched plan; exact throughout.
+"""``background_search=True``: the first call (`AdaptiveStep`) or update (`AdaptiveTrainer`)
+runs at the first size found to fit while the search goes on; later ones take the searched
+plan; exact throughout.
 
-References: a step planned in line (the search before the first call, itself checked
-against brute force in test_step.py), every size's ledger (brute force), and plain
-full-batch Adam.
+References: a step or trainer planned in line (the search before the first call, itself
+checked against brute force in test_step.py and test_trainer.py), every size's ledger
+(brute force), and plain full-batch Adam.
 """
 
 import threading
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,3 +253,186 @@ def test_the_nnx_step_trains_as_nnx_jit_with_the_search_in_the_background():
         jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want_model)), strict=True
     ):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- AdaptiveTrainer
+
+
+class _Mlp(nn.Module):  # a Flax linen model over 32 positions, as a user writes one
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.relu(nn.Dense(64)(x)))[..., 0]
+
+
+_MLP = _Mlp()
+
+
+def _mlp_loss(params, batch, rng):  # per example: the activations dominate the memory
+    prediction = _MLP.apply({"params": params}, batch["x"])
+    return jnp.mean((prediction - batch["y"]) ** 2, axis=1)
+
+
+def _mlp_params():
+    return _MLP.init(jax.random.key(0), jnp.ones((1, 32, 8)))["params"]
+
+
+def _mlp_batches(n, size=T):
+    rng = np.random.default_rng(1)
+    return [
+        {"x": rng.normal(size=(size, 32, 8)).astype(np.float32),
+         "y": rng.normal(size=(size, 32)).astype(np.float32)}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trainer_in_line():
+    """The trainer's search before the first update, under a limit where 9 is the largest."""
+    probe = ja.AdaptiveTrainer(
+        _mlp_loss, OPT, target_batch_size=T, memory_limit=10**9, plan_cache=False
+    )
+    probe.init(_mlp_params(), _mlp_batches(1)[0])
+    ledgers = {s: probe.ledger(s).total for s in range(1, T + 1)}  # brute force
+    limit = (ledgers[9] + ledgers[10]) // 2
+    trainer = ja.AdaptiveTrainer(
+        _mlp_loss, OPT, target_batch_size=T, memory_limit=limit, plan_cache=False
+    )
+    trainer.init(_mlp_params(), _mlp_batches(1)[0])
+    return {"limit": limit, "ledgers": ledgers, "plan": trainer.plan_info, "first_fit": T // 8}
+
+
+def _gated_loss(first, gate, fail_at=None):
+    """The loss, whose tracing above ``first`` waits for ``gate`` (and fails once at one size).
+
+    The trainer traces it on the search's thread: the search cannot go past its first fit
+    before the test opens the gate, whatever the machine's load.
+    """
+    failing = [fail_at]
+
+    def loss(params, batch, rng):
+        size = batch["x"].shape[0]
+        if size > first:
+            gate.wait(timeout=GATE_TIMEOUT)  # a search in line must not hang the test
+        if size == failing[0]:
+            failing[0] = None
+            raise ValueError(f"the user's loss fails to trace at {size}")
+        return _mlp_loss(params, batch, rng)
+
+    return loss
+
+
+def _background_trainer(trainer_in_line, loss, **options):
+    return ja.AdaptiveTrainer(
+        loss, OPT, target_batch_size=options.pop("target_batch_size", T),
+        memory_limit=trainer_in_line["limit"], background_search=True,
+        plan_cache=options.pop("plan_cache", False), **options,
+    )  # fmt: skip
+
+
+def test_the_trainer_s_first_update_runs_at_the_first_fit_then_the_plan(trainer_in_line):
+    first, plan = trainer_in_line["first_fit"], trainer_in_line["plan"]
+    gate, runs = threading.Event(), Runs()
+    trainer = _background_trainer(trainer_in_line, _gated_loss(first, gate))
+    trainer.fault_hook = runs
+    batches = _mlp_batches(4)
+    state = trainer.init(_mlp_params(), batches[0])  # waits for the first fit only
+    interim = trainer.plan_info
+    assert (interim.micro_batch_size, interim.source) == (first, "while the search goes on")
+    assert (interim.chunk, interim.fused) == (1, False)
+    assert interim.ledger.total == trainer_in_line["ledgers"][first]
+    state, metrics = trainer.step(state, batches[0])  # the search waits at the gate
+    assert runs.sizes == [first] * (T // first) and metrics["micro_batch_size"] == first
+    gate.set()
+    trainer.finish_search()
+    final = trainer.plan_info
+    fitting = [s for s, total in trainer_in_line["ledgers"].items() if total <= trainer.capacity()]
+    assert final.largest == max(fitting) == 9 == plan.largest
+    assert (final.micro_batch_size, final.source) == (plan.micro_batch_size, "searched")
+    assert first not in [t.size for t in trainer.search_log[1:]], "the first fit asked again"
+    for batch in batches[1:]:
+        state, metrics = trainer.step(state, batch)
+        assert metrics["micro_batch_size"] == plan.micro_batch_size
+    reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
+    assert_trees_close(state.params, reference, 2e-5)
+
+
+def test_the_trainer_s_out_of_memory_at_the_first_fit_ends_the_search_then_shrinks(
+    trainer_in_line,
+):
+    first = trainer_in_line["first_fit"]
+    gate, faults = threading.Event(), FaultInjector(executions={2})  # the first fit's second
+    trainer = _background_trainer(trainer_in_line, _gated_loss(first, gate))
+    trainer.fault_hook = OpensOnRun(gate, faults)  # the search goes on once it runs
+    batches = _mlp_batches(3)
+    state = trainer.init(_mlp_params(), batches[0])
+    for batch in batches:
+        state, _ = trainer.step(state, batch)
+    assert faults.injected == [(2, first)]
+    assert trainer.plan_info.largest < first and not trainer.plan_info.source.startswith("while")
+    reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
+    assert_trees_close(state.params, reference, 2e-5)
+
+
+def test_the_trainer_raises_the_search_s_error_and_plans_again(trainer_in_line):
+    first, gate = trainer_in_line["first_fit"], threading.Event()
+    trainer = _background_trainer(trainer_in_line, _gated_loss(first, gate, fail_at=10))
+    batches = _mlp_batches(3)
+    state = trainer.init(_mlp_params(), batches[0])
+    state, _ = trainer.step(state, batches[0])  # at the first fit
+    gate.set()
+    with pytest.raises(ValueError, match="fails to trace at 10"):
+        trainer.finish_search()
+    with pytest.raises(RuntimeError, match=r"call trainer\.init"):  # nothing is planned
+        trainer.step(state, batches[1])
+    trainer.plan(state, batches[1])  # in the background again: 10 traces now
+    for batch in batches[1:]:
+        state, _ = trainer.step(state, batch)
+    trainer.finish_search()
+    assert trainer.micro_batch_size == trainer_in_line["plan"].micro_batch_size
+    reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
+    assert_trees_close(state.params, reference, 2e-5)
+
+
+def test_the_trainer_s_plan_cache_and_schedule_and_timing_with_the_search_behind(
+    trainer_in_line, tmp_path
+):
+    """A cached plan runs at once; a new target waits for the search; the timing follows it."""
+    first, plan, gate = trainer_in_line["first_fit"], trainer_in_line["plan"], threading.Event()
+    cache = PlanCache(tmp_path / "plans.json")
+    trainer = _background_trainer(
+        trainer_in_line, _gated_loss(first, gate), target_batch_size=[(0, T), (2, 2 * T)],
+        plan_cache=cache, objective="throughput",
+    )  # fmt: skip
+    batches = _mlp_batches(2) + _mlp_batches(1, 2 * T)
+    state = trainer.init(_mlp_params(), batches[0])
+    state, metrics = trainer.step(state, batches[0])
+    assert metrics["micro_batch_size"] == first
+    gate.set()
+    trainer.finish_search()  # no state at hand: the next update's start times the plans
+    assert trainer.plan_info.timed is None
+    state, metrics = trainer.step(state, batches[1])
+    chosen, timed = metrics["micro_batch_size"], {row["size"] for row in trainer.throughput_log}
+    assert plan.micro_batch_size in timed and metrics["micro_batch_size"] in timed
+    assert max(timed) <= 9
+    state, metrics = trainer.step(state, batches[2])  # a target above 9: searched up, in line
+    assert metrics["examples"] == 2 * T and metrics["micro_batch_size"] <= 9
+    reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
+    assert_trees_close(state.params, reference, 2e-5)
+    again = _background_trainer(
+        trainer_in_line, _mlp_loss, plan_cache=cache, objective="throughput"
+    )
+    runs = Runs()
+    again.fault_hook = runs
+    state = again.init(_mlp_params(), batches[0])
+    assert again.plan_info.source == "plan cache" and again.plan_info.largest is None
+    assert [trial.decided_by for trial in again.search_log] == ["plan cache"]
+    state, metrics = again.step(state, batches[0])
+    assert metrics["micro_batch_size"] == chosen and set(runs.sizes) == {chosen}
+
+
+def test_the_trainer_refuses_bad_arguments():
+    with pytest.raises(TypeError, match="background_search must be True or False, got 1"):
+        ja.AdaptiveTrainer(_mlp_loss, OPT, target_batch_size=T, background_search=1)
+    choices = ja.RematChoices({"none": _mlp_loss, "full": _mlp_loss})
+    with pytest.raises(ValueError, match="background_search=True plans one loss"):
+        ja.AdaptiveTrainer(choices, OPT, target_batch_size=T, background_search=True)
