@@ -13,11 +13,10 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
 import jax
-import numpy as np
 
 from jax_adaptive import checks
-from jax_adaptive.background import BackgroundSearch, Fit
-from jax_adaptive.backup import Backup, backup, backup_bytes, deleted_leaves, put_back
+from jax_adaptive.background import INTERIM, BackgroundSearch, Fit, first_size
+from jax_adaptive.backup import Backup, backup_bytes, deleted_leaves, donated_backup, put_back
 from jax_adaptive.data import leading_size
 from jax_adaptive.errors import NothingFitsError, StateLostError, catch_oom
 from jax_adaptive.forwarding import forwarded
@@ -27,6 +26,7 @@ from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.remat import RematChoice, RematChoices, choices_of, plan_policies
 from jax_adaptive.sharding import describe_sharding
 from jax_adaptive.sizing import Binding, Sized, Sizing, log
+from jax_adaptive.step_program import signature_of, sized_step
 from jax_adaptive.timing import Timed, Timing, plan_timing
 
 __all__ = ["AdaptiveStep", "StepBuilder", "StepBuilders", "signature_of"]
@@ -44,35 +44,6 @@ _STATE_LOST = (
     "checkpoint; AdaptiveStep(..., host_backup='every_call') keeps a copy before every "
     "call, at the price of a copy to the host per step."
 )
-
-
-def _struct(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x)
-    sharding = x.sharding if isinstance(x, jax.Array) else None
-    if sharding is not None and sharding.device_set == {device}:
-        # An array on the step's device lowers as it would in a plain call of the step,
-        # so the compiled program is the one jit's own cache holds for it.
-        sharding = None
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
-
-
-def signature_of(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What a compiled step is specific to: the tree, the shapes and dtypes, the shardings.
-
-    A sharding counts where it spans several devices: a user's step may hand back its
-    state split otherwise than it came in (XLA chooses the outputs' shardings), and the
-    executable compiled for the old ones refuses the new; ``jax.jit`` compiles again, and
-    so does this (measured on 8 CPU devices: an SGD step's biases came back split over
-    ``data``).
-    """
-    leaves, treedef = jax.tree.flatten(args)
-    return treedef, tuple(_leaf_signature(x) for x in leaves)
-
-
-def _leaf_signature(x: Any) -> tuple[Any, ...]:
-    shape = (np.shape(x), str(jax.typeof(x).dtype))
-    sharding = x.sharding if isinstance(x, jax.Array) else None
-    return shape if sharding is None or len(sharding.device_set) == 1 else (*shape, sharding)
 
 
 class AdaptiveStep:
@@ -213,7 +184,7 @@ class AdaptiveStep:
         if self._timing is not None:
             source = f"searched; the next calls time {self._timing.sizes}"
         if interim:
-            source = "the first size found to fit, while the search goes on"
+            source = INTERIM
         steps = math.ceil(self._batch_size / size)
         timed, remat, search = program.timed_for(size), self.remat, program.search
         return Plan(size, steps, ledger, self.capacity(), 1, program.largest, source=source,
@@ -362,9 +333,7 @@ class AdaptiveStep:
         elif not self.background_search or jax.process_count() > 1:
             self._plan_size(self._program)
         elif not self._plan_cached(self._program):
-            first = max(
-                self.multiple_of, self._batch_size // 8 // self.multiple_of * self.multiple_of
-            )
+            first = first_size(self._batch_size, self.multiple_of)
             self._search = BackgroundSearch(
                 lambda found: self._use(self._largest("init", on_fit=found, first=first), None)
             )
@@ -450,33 +419,14 @@ class AdaptiveStep:
 
     def _sized(self, args: tuple[Any, ...], signature: Hashable, policy: str | None) -> Sized:
         """What the engine needs of ``policy``'s step for arguments like ``args``."""
-        structs = tuple(jax.tree.map(lambda x: _struct(x, self.sizing.device), args))
-        i, T = self.batch_argnum, self._batch_size
         remat = {} if policy is None else {"remat": policy}
-
-        def lower(size: int) -> Any:
-            step = self._builders[policy](size)  # the user's code traces here
-            return (step if hasattr(step, "lower") else jax.jit(step)).lower(*structs)
-
-        batch_bytes = tree_bytes(structs[i])
-        return Sized(
-            lower=lower,
-            resident=tree_bytes(structs[:i] + structs[i + 1 :]),
-            inputs=lambda size: batch_bytes,  # the whole batch, whatever the size
-            key=lambda: {
-                "kind": "adaptive_step",
-                "multiple_of": self.multiple_of,
-                "objective": self.objective,
-                "batch_argnum": i,
-                "args": str(signature),
-                **remat,
-            },
-            # At the whole batch a micro-batched step runs no loop (one micro-batch: no
-            # accumulator, other fusions), so its peak lies off the line of the looped
-            # sizes, above or below it (measured: 30% above for an MLP at T = 1024).
-            off_line=T,
-            fingerprint_at=lambda: self.multiple_of,
-        )
+        key = {"kind": "adaptive_step", "multiple_of": self.multiple_of,
+               "objective": self.objective, "batch_argnum": self.batch_argnum,
+               "args": str(signature), **remat}  # fmt: skip
+        return sized_step(
+            self._builders[policy], args, batch_argnum=self.batch_argnum,
+            device=self.sizing.device, key=key, multiple_of=self.multiple_of,
+        )  # fmt: skip
 
     def _largest(
         self,
@@ -587,7 +537,8 @@ class AdaptiveStep:
         compiled = self.compile(size) if compiled is None else compiled
         self.check(size)
         if saved is not None:
-            saved.update(self._backup(args, compiled))
+            saved.update(donated_backup(args, compiled))
+            self.host_bytes += backup_bytes(saved)
         if self.fault_hook is not None:
             self.fault_hook.before_execution(size, args)
         # Wait inside the guard: with asynchronous dispatch an out-of-memory may surface
@@ -595,13 +546,6 @@ class AdaptiveStep:
         start = time.perf_counter()
         out = jax.block_until_ready(compiled(*args))
         return out, time.perf_counter() - start
-
-    def _backup(self, args: tuple[Any, ...], compiled: Any) -> Backup:
-        """Host copies of the device arrays the compiled step donates, by leaf index."""
-        donated = [info.donated for info in jax.tree.leaves(compiled.args_info[0])]
-        saved = backup(args, donated)
-        self.host_bytes += backup_bytes(saved)
-        return saved
 
     def _restore(self, args: tuple[Any, ...], saved: Backup | None) -> tuple[Any, ...]:
         """``args`` with every array a failed run deleted put back from its host copy."""

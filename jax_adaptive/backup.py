@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Backup", "backup", "backup_bytes", "deleted_leaves", "put_back"]
+__all__ = ["Backup", "backup", "backup_bytes", "deleted_leaves", "donated_backup", "put_back"]
 
 Backup = dict[int, tuple[np.ndarray, Any]]
 """Host copies by leaf index: each leaf's value and its sharding."""
@@ -34,6 +34,20 @@ def backup(tree: Any, donated: Sequence[bool] | None = None) -> Backup:
         for i, (leaf, mark) in enumerate(zip(leaves, marks, strict=True))
         if mark and isinstance(leaf, jax.Array)
     }
+
+
+def donated_backup(args: tuple[Any, ...], compiled: Any) -> Backup:
+    """Host copies of the device arrays among ``args`` that ``compiled`` donates.
+
+    Examples:
+        >>> import functools, jax.numpy as jnp
+        >>> step = jax.jit(lambda state, x: state + x, donate_argnums=0)
+        >>> args = (jnp.ones(2), jnp.ones(2))
+        >>> list(donated_backup(args, step.lower(*args).compile()))  # the state's leaf
+        [0]
+    """
+    donated = [info.donated for info in jax.tree.leaves(compiled.args_info[0])]
+    return backup(args, donated)
 
 
 def backup_bytes(saved: Backup) -> int:

@@ -312,6 +312,11 @@ class BucketedTrainer:
             raise ValueError(f"{weighting=} must be 'token', 'example' or 'none'.")
         if "has_aux" in trainer_kwargs or "has_state" in trainer_kwargs:
             raise ValueError("BucketedTrainer takes a plain per-sequence loss (no aux, no state).")
+        if trainer_kwargs.get("background_search"):
+            raise ValueError(
+                "BucketedTrainer plans each bucket at its first batch, all on one sizing "
+                "engine: background_search=True is for one AdaptiveTrainer."
+            )
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.buckets, self.weighting, self.mask_key = buckets, weighting, mask_key
         self.target_tokens, self.target_batch_size = target_tokens, target_batch_size

@@ -155,7 +155,8 @@ class Plan(NamedTuple):
             to the least padding (None: not searched).
         fused: whether the last program runs the optimizer step too (its ledger fits).
         source: ``"searched"``, ``"plan cache"``, ``"fixed"`` or ``"shrunk"`` (after an
-            out-of-memory); None when unknown.
+            out-of-memory), `jax_adaptive.background.INTERIM` while a search goes on in
+            the background; None when unknown.
         found: under ``jax.distributed``, the largest size each process found, in
             process order, when they differ (all plan from the smallest); else None.
         collectives: the `Collectives` of the update's programs under a mesh (None: one

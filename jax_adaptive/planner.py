@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jax
 
 from jax_adaptive import checks
-from jax_adaptive.background import BackgroundSearch
+from jax_adaptive.background import INTERIM, BackgroundSearch, first_size
 from jax_adaptive.chunking import Chunking
 from jax_adaptive.distributed import process_any, process_min
 from jax_adaptive.errors import NothingFitsError, SimulatedOutOfMemory
@@ -172,7 +172,7 @@ class Planner:
             return Plan(
                 self.size, math.ceil(self.target_batch_size / self.size),
                 self.executables.ledger(self.size), self.capacity(), chunk=1, fused=False,
-                source="while the search goes on",
+                source=INTERIM,
                 collectives=self.executables.collectives(self.size),
             )  # fmt: skip
         known = self.program.peak(self.size) is not None
@@ -243,11 +243,10 @@ class Planner:
         trains the same, so the updates until the search ends are training.
         """
         T, multiple = self.target_batch_size, self._multiple
-        first = max(multiple, T // 8 // multiple * multiple)
         self._search = BackgroundSearch(
             lambda found: self.program.largest_fitting(
                 hi=T, reason="init", multiple_of=multiple, least=self.shards, on_fit=found,
-                first=first,
+                first=first_size(T, multiple),
             )
         )  # fmt: skip
         self.optimizer_step()  # on this thread while the search compiles its first size
@@ -259,7 +258,7 @@ class Planner:
         if fit is None:  # it has ended
             self._end_search(state)
         else:
-            self.size, self.source = fit.size, "while the search goes on"
+            self.size, self.source = fit.size, INTERIM
 
     def finish_search(self) -> None:
         """Waits for a search in the background to end; its plan runs from the next update."""

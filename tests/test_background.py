@@ -18,6 +18,7 @@ import pytest
 from helpers import assert_trees_close, donating_step_builder, full_batch_reference
 
 import jax_adaptive as ja
+from jax_adaptive.background import INTERIM
 from jax_adaptive.plan_cache import PlanCache
 from jax_adaptive.testing import FaultInjector
 
@@ -337,7 +338,7 @@ def test_the_trainer_s_first_update_runs_at_the_first_fit_then_the_plan(trainer_
     batches = _mlp_batches(4)
     state = trainer.init(_mlp_params(), batches[0])  # waits for the first fit only
     interim = trainer.plan_info
-    assert (interim.micro_batch_size, interim.source) == (first, "while the search goes on")
+    assert (interim.micro_batch_size, interim.source) == (first, INTERIM)
     assert (interim.chunk, interim.fused) == (1, False)
     assert interim.ledger.total == trainer_in_line["ledgers"][first]
     state, metrics = trainer.step(state, batches[0])  # the search waits at the gate
@@ -368,7 +369,7 @@ def test_the_trainer_s_out_of_memory_at_the_first_fit_ends_the_search_then_shrin
     for batch in batches:
         state, _ = trainer.step(state, batch)
     assert faults.injected == [(2, first)]
-    assert trainer.plan_info.largest < first and not trainer.plan_info.source.startswith("while")
+    assert trainer.plan_info.largest < first and trainer.plan_info.source != INTERIM
     reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
     assert_trees_close(state.params, reference, 2e-5)
 
@@ -436,3 +437,5 @@ def test_the_trainer_refuses_bad_arguments():
     choices = ja.RematChoices({"none": _mlp_loss, "full": _mlp_loss})
     with pytest.raises(ValueError, match="background_search=True plans one loss"):
         ja.AdaptiveTrainer(choices, OPT, target_batch_size=T, background_search=True)
+    with pytest.raises(ValueError, match="background_search=True is for one AdaptiveTrainer"):
+        ja.BucketedTrainer(_mlp_loss, OPT, buckets=(4,), target_tokens=16, background_search=True)
