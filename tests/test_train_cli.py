@@ -336,6 +336,37 @@ def _losses(stdout):
             if line.startswith("update")]  # fmt: skip
 
 
+def test_background_search_trains_from_an_eighth_as_the_search_first_and_stores_its_plan(
+    tmp_path, capsys
+):
+    flags = ["--target-batch-size", "128", "--updates", "6", "--eval-every", "0",
+             "--no-progress", "--seed", "3"]  # fmt: skip
+    cache = str(tmp_path / "plans.json")
+    assert main([*flags, "--workdir", str(tmp_path / "first"), "--no-plan-cache"]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--workdir", str(tmp_path / "behind"), "--plan-cache", cache,
+                 "--background-search"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    plan = next(line for line in lines if line.startswith("plan: "))
+    assert plan.startswith(
+        "plan: micro-batch 16 x 8 accumulation steps = target batch 128; 1 size compiled in "
+    )  # an eighth: fits the simulated device
+    assert "; the search for the largest goes on beside training (--background-search)" in plan
+    first, behind = (_metrics(tmp_path / run) for run in ("first", "behind"))
+    assert behind[0]["micro_batch_size"] == 16 and first[0]["micro_batch_size"] > 16
+    # Every plan trains the same: the losses of the run that searched first.
+    np.testing.assert_allclose([m["loss"] for m in behind], [m["loss"] for m in first], 1e-5)
+    # Its end is told once: the update that took its plan, or after the last update.
+    ended = [m["search_ended"] for m in behind if "search_ended" in m]
+    after = [line for line in lines if line.startswith("the search beside training ended")]
+    assert len(ended) + len(after) == 1, (ended, after)
+    assert all(text.startswith("search ") and "compiles" in text for text in ended)
+    assert main([*flags, "--plan-cache", cache, "--background-search"]) == 0
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan"))
+    size = first[0]["micro_batch_size"]
+    assert plan.startswith(f"plan: micro-batch {size} x ") and "from the plan cache" in plan
+
+
 def test_data_parallel_plans_per_device_resumes_and_trains_as_one_device(tmp_path, capsys):
     flags = ["--target-batch-size", "256", "--memory-limit", "1.6MB", "--objective", "max"]
     flags += ["--eval-every", "0"]
@@ -485,6 +516,8 @@ def test_a_users_failing_factory_is_one_line_that_keeps_its_traceback():
         (["--multiple-of", "0"], "--multiple-of 0 must be a positive int"),
         (["--eval-every", "-1"], "--eval-every -1 must be an int, 0 or more"),
         (["--objective", "fastest"], "argument --objective: invalid choice"),
+        (["--background-search", "--model", "gpt"], "--background-search is for image models"),
+        (["--background-search", "--micro-batch-size", "8"], "it needs --micro-batch-size auto"),
     ],
 )
 def test_new_flags_are_checked_before_training(flags, message, capsys):
@@ -698,8 +731,19 @@ def test_a_plan_that_shrinks_after_running_out_of_memory_says_so(monkeypatch, ca
         ),
         ((8, 4, 32), {"micro_batch_size": 8, "accumulation_steps": 4, "examples": 32}, None),
         (None, {"micro_batch_size": 8, "accumulation_steps": 4, "examples": 32}, None),
+        (
+            (4, 8, 32),
+            {
+                "micro_batch_size": 16,
+                "accumulation_steps": 2,
+                "examples": 32,
+                "search_ended": "search 1.2 s, 4 compiles (2.1x one compile of 16)",
+            },
+            "(was 4 x 8 = 32: the search beside training ended, search 1.2 s, 4 compiles (2.1x "
+            "one compile of 16); 1 size compiled)",
+        ),
     ],
-    ids=["schedule", "shrink", "grow", "same", "first"],
+    ids=["schedule", "shrink", "grow", "same", "first", "background search"],
 )
 def test_plan_note_says_why_the_plan_changed(before, line, says):
     note = plan_note(before, {"update": 5, **line}, compiled=1)

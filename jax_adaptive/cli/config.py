@@ -109,6 +109,7 @@ class TrainConfig:
     distributed: str | None = None  # "auto" or "HOST:PORT,PROCESSES,ID": jax.distributed
     distributed_timeout: int = 45  # seconds: for every process to join, for a silent one
     tensorboard: bool = False  # each update's scalars as TensorBoard event files in workdir
+    background_search: bool = False  # train from one size that fits while the search goes on
 
     def chosen_objective(self) -> tuple[str, str | None]:
         """The trainer's objective, and why when ``"auto"`` chose it (else None).
@@ -248,6 +249,11 @@ def check_config(config: TrainConfig) -> None:
         (config.distributed is not None and (gpt or not config.data_parallel),
          "--distributed trains an image model over every process's devices: add "
          "--data-parallel (--model gpt runs on one process)."),
+        (config.background_search and gpt, "--background-search is for image models; "
+         "--model gpt plans each bucket at its first batch."),
+        (config.background_search and config.micro_batch_size != "auto",
+         "--background-search goes on searching while training: it needs "
+         "--micro-batch-size auto."),
     )  # fmt: skip
     config.distributed_args()  # raises naming the flag
     if config.tensorboard:

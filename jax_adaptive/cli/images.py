@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jax_adaptive import checks
+from jax_adaptive.background import INTERIM
 from jax_adaptive.cli.config import (
     TrainConfig,
     check_config,
@@ -175,6 +176,8 @@ def _plan_line(
            if largest not in (None, trainer.micro_batch_size) else "")
         + (f" ({bound})" if (bound := trainer.plan_info.bound()) else "")
         + (f" (from the plan cache {where}; --no-plan-cache searches again)" if where else "")
+        + ("; the search for the largest goes on beside training (--background-search)"
+           if search["plan_source"] == INTERIM else "")
         + (f"; objective {objective} ({why})" if why else "")
         + f"; {device}"
         + (f"; batch schedule {config.batch_schedule}" if config.batch_schedule else "")
@@ -213,6 +216,7 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         objective=config.chosen_objective()[0], timing_budget=config.timing_budget(),
         plan_cache=config.plan_cache_arg(),
         mesh=data_mesh() if config.data_parallel else None,
+        background_search=config.background_search,
     )  # fmt: skip
     start = time.perf_counter()
     state = trainer.init(params, example, rng=jax.random.key(config.seed), model_state=model_state)
@@ -253,15 +257,21 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
             "eval_batch_size": trainer.evaluator(model.metric_fn).batch_size,
         }  # fmt: skip
 
+    searching = [search["plan_source"] == INTERIM]  # --background-search, until its plan runs
+
     def step(state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict]:
         T = trainer.target_batch_size  # of the state it returned last
         state, metrics = trainer.step(state, batch)
         scheduled = {} if config.batch_schedule is None else {"target_batch_size": T}
+        ended = {}
+        if searching[0] and trainer.plan_info.source != INTERIM:  # this update ran its plan
+            searching[0] = False
+            ended = {"search_ended": trainer.plan_info.search or "it ended"}
         return state, {
             "loss": float(metrics["loss"]), "train_accuracy": float(metrics["accuracy"]),
             "micro_batch_size": int(metrics["micro_batch_size"]),
             "accumulation_steps": int(metrics["accumulation_steps"]), **scheduled,
-            "examples": T,
+            "examples": T, **ended,
         }  # fmt: skip
 
     def plans() -> dict[str, Any]:
@@ -280,6 +290,13 @@ def _train_images(config: TrainConfig, workdir: Workdir | None, out: TextIO) -> 
         shard=(jax.process_index(), jax.process_count()),
     )  # fmt: skip
     hooks.run(step, state, _scheduled(batches, trainer.schedule, done))
+    if searching[0]:  # a run shorter than the search: its plan goes to the plan cache
+        trainer.finish_search()
+        print(f"the search beside training ended after the last update: "
+              f"{trainer.plan_info.search}; the next run starts from its plan "
+              f"{trainer.micro_batch_size} x {trainer.accumulation_steps}", file=out)  # fmt: skip
+        if workdir is not None:
+            workdir.write_plan(**plans())
     lines, evaluated = hooks.lines, [line for line in hooks.lines if "eval_loss" in line]
     return {
         "micro_batch_size": trainer.micro_batch_size,
@@ -358,6 +375,7 @@ def _summary_line(summary: dict[str, Any]) -> str:
 
 _INIT = {  # what the seconds of init went to, by how the plan was decided
     "searched": "the search",
+    INTERIM: "the first size found to fit, the search going on beside training",
     "plan cache": "the plan from the plan cache, no search",
     "fixed": "the fixed micro-batch, no search",
 }

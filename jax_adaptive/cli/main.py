@@ -300,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
                        "else ~/.cache/jax_adaptive/plans.json or $JAX_ADAPTIVE_PLAN_CACHE)")
     cache.add_argument("--no-plan-cache", dest="plan_cache", action="store_false",
                        help="search afresh and store nothing")
+    add("--background-search", action="store_true",
+        help="train from the first update at a size known to fit (an eighth of the target "
+        "batch, usually one compile) while the search for the largest goes on on a thread; "
+        "its plan takes over once it ends (default: off, the search comes first)")
     add("--compilation-cache", metavar="DIR", default=None,
         help="JAX's persistent compilation cache in DIR (second runs skip XLA compiles; "
         "default: none, off)")

@@ -43,7 +43,9 @@ def plan_note(
     now = _plan(line)
     if before is None or now == before:
         return None
-    if now[2] != before[2]:
+    if "search_ended" in line:  # --background-search
+        why = f"the search beside training ended, {line['search_ended']}"
+    elif now[2] != before[2]:
         why = "the batch schedule"
     elif now[0] != before[0]:
         why = "a larger micro-batch fits" if now[0] > before[0] else (
