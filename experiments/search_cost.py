@@ -33,6 +33,13 @@ each size are shared; every algorithm is still charged separately: its compiles 
 distinct sizes it asked, its seconds the sum of those sizes' measured seconds (as if it
 had its own fresh cache). ``ours`` runs for real, in a fresh trainer per limit.
 
+Per zoo case, ``first_updates``: a fresh trainer's first update (``init`` and one step on
+a target batch) with the search first (``search_first``), with the plan from a plan
+cache (``known_plan``: it compiles the size found and the update's programs alone), and
+with ``background_search=True`` (``background``: it waits for one size, an eighth of the
+target), one size compiled at a time; ``over_known_plan`` is each over ``known_plan``,
+and every plan is the exact largest (asserted).
+
 Then Flax's NNX MNIST step (examples/nnx_mnist.py, converted as its docstring shows;
 ``nnx_cases``), at batch 512 under a limit per fraction of its span: the seconds of its
 first update, the search included (``ours_serial``, ``ours``), against a run that takes
@@ -109,13 +116,15 @@ def build(name: str, target: int) -> Setup:
     raise ValueError(f"unknown model {name!r}")
 
 
-def trainer_for(setup: Setup, limit: int | None, objective: str = "max") -> ja.AdaptiveTrainer:
+def trainer_for(
+    setup: Setup, limit: int | None, objective: str = "max", **options: Any
+) -> ja.AdaptiveTrainer:
     """A trainer for the setup; ``objective="max"``: the search's answer is the plan.
 
-    Without the plan cache: a plan a former run stored would come without a search (no
-    compiles to count, ``plan_info.largest`` unknown).
+    Without the plan cache unless ``options`` give one: a plan a former run stored would
+    come without a search (no compiles to count, ``plan_info.largest`` unknown).
     """
-    return ja.AdaptiveTrainer(
+    return ja.AdaptiveTrainer(  # type: ignore[misc]
         setup.loss_fn,
         optax.adam(1e-3),
         target_batch_size=setup.target,
@@ -124,7 +133,7 @@ def trainer_for(setup: Setup, limit: int | None, objective: str = "max") -> ja.A
         has_aux=setup.has_aux,
         has_state=setup.has_state,
         objective=objective,
-        plan_cache=False,
+        **{"plan_cache": False, **options},
     )
 
 
@@ -277,6 +286,54 @@ def run_ours(setup: Setup, limit: int, shared: SharedCompiles, workers: int) -> 
     }
 
 
+def first_update(
+    setup: Setup, limit: int, cache: Path | bool, background: bool = False
+) -> dict[str, Any]:
+    """A fresh trainer's first update under ``limit``: ``init`` and one step, in seconds.
+
+    ``cache``: the plan cache's file (a second run with it knows the plan: no search) or
+    False. ``background``: ``background_search``; ``first_size`` is the size the update
+    ran, ``size`` the plan once the search has ended.
+    """
+    os.environ["JAX_ADAPTIVE_COMPILE_WORKERS"] = "1"  # the default: one size at a time
+    trainer = trainer_for(setup, limit, plan_cache=cache, background_search=background)
+    batch = jax.tree.map(lambda x: np.repeat(x[:1], setup.target, axis=0), setup.example)
+    start = time.perf_counter()
+    state = trainer.init(setup.params, setup.example, model_state=setup.model_state)
+    state, metrics = trainer.step(state, batch)
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    trainer.finish_search()  # background: the rest of the search, beside no training here
+    return {
+        "first_update_seconds": seconds,
+        "first_size": int(metrics["micro_batch_size"]),
+        "search_left_seconds": time.perf_counter() - start,
+        "size": trainer.micro_batch_size,
+        "compiles": trainer.compiles,
+        "sizes_tried": [t.size for t in trainer.search_log],
+    }
+
+
+def first_updates(setup: Setup, limit: int, best: int) -> dict[str, dict[str, Any]]:
+    """The first update with the search first, with the plan known, with it in the background.
+
+    ``over_known_plan``: the first update's seconds over those of the run that took the
+    plan from the plan cache (it compiles the size found and the update's programs).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "plans.json"
+        ways = {"search_first": first_update(setup, limit, cache)}
+        ways["known_plan"] = first_update(setup, limit, cache)
+    ways["background"] = first_update(setup, limit, False, background=True)
+    assert {r["size"] for r in ways.values()} == {best}, (setup.name, ways, best)
+    for r in ways.values():
+        r["over_known_plan"] = (
+            r["first_update_seconds"] / ways["known_plan"]["first_update_seconds"]
+        )
+    return ways
+
+
 def run_case(
     setup: Setup, fraction: float, shared: SharedCompiles, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -331,6 +388,7 @@ def run_case(
         "optimizer_step_does_not_fit": optimizer_step_too_big,
         "linear_scan_compiles": None if best is None else min(best + 1, setup.target),
         "results": results,
+        "first_updates": None if best is None else first_updates(setup, limit, best),
     }
 
 
@@ -478,6 +536,14 @@ def print_tables(cases: list[dict[str, Any]]) -> None:
     for label, c in rows:
         cells = [c["results"][a]["wall_over_one_compile"] for a in ("ours_serial", "ours")]
         print(f"{label:<17}" + "".join("-".rjust(10) if v is None else f"{v:10.2f}" for v in cells))
+    print("\nthe first update (init and one step) / the same with the plan known (plan cache)")
+    print(f"{'model  limit':<17}{'known s':>9}{'search first':>14}{'background':>12}{'at':>6}")
+    for label, c in rows:
+        if (f := c["first_updates"]) is not None:
+            print(f"{label:<17}{f['known_plan']['first_update_seconds']:9.2f}"
+                  f"{f['search_first']['over_known_plan']:14.2f}"
+                  f"{f['background']['over_known_plan']:12.2f}"
+                  f"{f['background']['first_size']:6d}")  # fmt: skip
     totals = {a: sum(c["results"][a]["compiles"] for c in cases) for a in ALGORITHMS}
     seconds = {a: sum(c["results"][a]["seconds"] for c in cases) for a in ALGORITHMS}
     print("\ntotal compiles:", totals)
@@ -518,6 +584,15 @@ def median_ratio(
     for a in ways:
         ratios = [r for c in cases if (r := c["results"][a]["wall_over_one_compile"])]
         out[a] = float(np.median(ratios)) if ratios else None
+    return out
+
+
+def median_first_update(cases: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The zoo's median first update over the plan known: search first, in the background."""
+    out: dict[str, float | None] = {}
+    for way in ("search_first", "background"):
+        ratios = [c["first_updates"][way]["over_known_plan"] for c in cases if c["first_updates"]]
+        out[way] = float(np.median(ratios)) if ratios else None
     return out
 
 
@@ -611,6 +686,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "median_wall_over_one_compile": median_ratio(cases),
         "nnx_median_wall_over_one_compile": median_ratio(nnx_results, NNX_WAYS),
+        "median_first_update_over_known_plan": median_first_update(cases),
         "cases": cases,
         "nnx_cases": nnx_results,
         "total_seconds": time.perf_counter() - start,
