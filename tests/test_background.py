@@ -397,7 +397,7 @@ def test_the_trainer_raises_the_search_s_error_and_plans_again(trainer_in_line):
 def test_the_trainer_s_plan_cache_and_schedule_and_timing_with_the_search_behind(
     trainer_in_line, tmp_path
 ):
-    """A cached plan runs at once; a new target waits for the search; the timing follows it."""
+    """The timing follows the search; a new target keeps 9; a cached plan runs at once."""
     first, plan, gate = trainer_in_line["first_fit"], trainer_in_line["plan"], threading.Event()
     cache = PlanCache(tmp_path / "plans.json")
     trainer = _background_trainer(
@@ -415,7 +415,7 @@ def test_the_trainer_s_plan_cache_and_schedule_and_timing_with_the_search_behind
     chosen, timed = metrics["micro_batch_size"], {row["size"] for row in trainer.throughput_log}
     assert plan.micro_batch_size in timed and metrics["micro_batch_size"] in timed
     assert max(timed) <= 9
-    state, metrics = trainer.step(state, batches[2])  # a target above 9: searched up, in line
+    state, metrics = trainer.step(state, batches[2])  # a target above 9: 9 (10 did not fit)
     assert metrics["examples"] == 2 * T and metrics["micro_batch_size"] <= 9
     reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
     assert_trees_close(state.params, reference, 2e-5)
@@ -429,6 +429,25 @@ def test_the_trainer_s_plan_cache_and_schedule_and_timing_with_the_search_behind
     assert [trial.decided_by for trial in again.search_log] == ["plan cache"]
     state, metrics = again.step(state, batches[0])
     assert metrics["micro_batch_size"] == chosen and set(runs.sizes) == {chosen}
+
+
+def test_a_new_target_waits_for_the_trainer_s_search(trainer_in_line):
+    first, gate = trainer_in_line["first_fit"], threading.Event()
+    trainer = _background_trainer(
+        trainer_in_line, _gated_loss(first, gate), target_batch_size=[(0, T), (1, 2 * T)]
+    )
+    batches = _mlp_batches(1) + _mlp_batches(1, 2 * T)
+    state = trainer.init(_mlp_params(), batches[0])
+    state, metrics = trainer.step(state, batches[0])
+    assert metrics["micro_batch_size"] == first
+    gate.set()  # the search goes on: the next update's target, 48, waits for its end
+    state, metrics = trainer.step(state, batches[1])
+    plan = trainer.plan_info
+    assert plan.source != INTERIM and plan.largest == 9  # 10 did not fit: no search up
+    assert {t.reason for t in trainer.search_log} == {"init"}, "a second search, for 48"
+    assert metrics["examples"] == 2 * T and metrics["micro_batch_size"] == plan.micro_batch_size
+    reference = full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches)
+    assert_trees_close(state.params, reference, 2e-5)
 
 
 def test_the_trainer_refuses_bad_arguments():
