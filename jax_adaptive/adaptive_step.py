@@ -136,12 +136,9 @@ class AdaptiveStep:
         self.multiple_of = checks.positive_int("multiple_of", multiple_of)
         self.timing_budget = timing_budget
         self.host_backup = checks.one_of("host_backup", host_backup, ("first_run", "every_call"))
-        self.background_search = checks.boolean("background_search", background_search)
-        if self.background_search and None not in builders:
-            raise ValueError(
-                "background_search=True plans one StepBuilder; got RematChoices of "
-                f"{list(builders)}: their policies are planned one after another."
-            )
+        self.background_search = checks.background_search(
+            background_search, builders, "StepBuilder"
+        )
         self.sizing = Sizing(
             "step at micro-batch",
             memory_limit=memory_limit,

@@ -40,7 +40,7 @@ def donated_backup(args: tuple[Any, ...], compiled: Any) -> Backup:
     """Host copies of the device arrays among ``args`` that ``compiled`` donates.
 
     Examples:
-        >>> import functools, jax.numpy as jnp
+        >>> import jax.numpy as jnp
         >>> step = jax.jit(lambda state, x: state + x, donate_argnums=0)
         >>> args = (jnp.ones(2), jnp.ones(2))
         >>> list(donated_backup(args, step.lower(*args).compile()))  # the state's leaf

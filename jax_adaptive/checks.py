@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TARGET_BATCH_SIZE",
+    "background_search",
+    "boolean",
     "check_batch",
     "check_buckets",
     "check_chunk",
@@ -99,6 +101,25 @@ def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be True or False, got {_got(value)}.")
     return bool(value)
+
+
+def background_search(value: Any, choices: Mapping[Any, Any], what: str) -> bool:
+    """``background_search`` (a bool), refused for ``choices`` of several remat policies.
+
+    ``choices``: the policies' ``what`` (one, under None, without `RematChoices`): they
+    are planned one after another, which a search in the background cannot be.
+
+    Examples:
+        >>> background_search(True, {"none": 1, "full": 2}, "loss")
+        Traceback (most recent call last):
+        ValueError: background_search=True plans one loss; got RematChoices of ['none', 'full']: their policies are planned one after another.
+    """  # noqa: E501
+    if boolean("background_search", value) and None not in choices:
+        raise ValueError(
+            f"background_search=True plans one {what}; got RematChoices of {list(choices)}: "
+            "their policies are planned one after another."
+        )
+    return value
 
 
 def one_of(name: str, value: Any, choices: Sequence[str]) -> str:

@@ -216,6 +216,14 @@ class Chunking:
         )  # fmt: skip
         return False
 
+    def least(self) -> None:
+        """One micro-step per dispatch and the optimizer step apart, until `forget`.
+
+        The sizes a search in the background has found so far run so: with the programs
+        it compiled, no other.
+        """
+        self.chunk_of, self._final = 1, None
+
     def unchunk(self, size: int) -> None:
         """After a chunk, or the fused optimizer step, ran out of memory: the least from now on."""
         log.warning(
@@ -223,4 +231,4 @@ class Chunking:
             "dispatch from now on, the optimizer step apart",
             self.chunk_of or 1, size, " and the optimizer step" if self.fused else "",
         )  # fmt: skip
-        self.chunk_of, self._final = 1, None
+        self.least()

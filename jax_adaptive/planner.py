@@ -54,8 +54,6 @@ class Planner:
         size: the size in use (None before `plan_for`).
         largest: the largest size that fits, when searched.
         source: how the size was decided (`jax_adaptive.Plan`'s ``source``).
-        searching: a search runs in the background (``background_search``): `size` is
-            the largest it found to fit so far, run one micro-step a dispatch.
     """
 
     def __init__(
@@ -168,13 +166,6 @@ class Planner:
         """
         if self.size is None:
             raise RuntimeError("call trainer.init(params, example_batch) first.")
-        if self.searching:  # one micro-step a dispatch, the optimizer step apart
-            return Plan(
-                self.size, math.ceil(self.target_batch_size / self.size),
-                self.executables.ledger(self.size), self.capacity(), chunk=1, fused=False,
-                source=INTERIM,
-                collectives=self.executables.collectives(self.size),
-            )  # fmt: skip
         known = self.program.peak(self.size) is not None
         known &= self.chunking.chunk_of is not None or jax.process_count() == 1
         timed, search = self.program.timed_for(self.size), self.program.search
@@ -230,11 +221,6 @@ class Planner:
         self._use(self._chosen(state, size), "searched")
         return self.size
 
-    @property
-    def searching(self) -> bool:
-        """Whether a search runs in the background (`size`: the largest it found so far)."""
-        return self._search is not None
-
     def _search_in_background(self) -> None:
         """Starts the search on a thread and runs the first size it finds to fit.
 
@@ -249,7 +235,8 @@ class Planner:
                 first=first_size(T, multiple),
             )
         )  # fmt: skip
-        self.optimizer_step()  # on this thread while the search compiles its first size
+        if self.capacity() is None:  # else compiled and checked before the search
+            self.optimizer_step()  # on this thread while the search compiles its first size
         self._follow_search()
 
     def _follow_search(self, state: TrainState | None = None) -> None:
@@ -257,8 +244,9 @@ class Planner:
         fit = self._search.first_fit()  # type: ignore[union-attr]
         if fit is None:  # it has ended
             self._end_search(state)
-        else:
+        else:  # one micro-step a dispatch, with the programs the search compiled
             self.size, self.source = fit.size, INTERIM
+            self.chunking.least()
 
     def finish_search(self) -> None:
         """Waits for a search in the background to end; its plan runs from the next update."""

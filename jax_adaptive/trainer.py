@@ -133,12 +133,7 @@ class AdaptiveTrainer:
     ):
         # Several losses, one per remat policy: a plan over (policy, size) picks one.
         losses = choices_of(loss_fn, "loss_fn")
-        background_search = checks.boolean("background_search", background_search)
-        if background_search and None not in losses:
-            raise ValueError(
-                "background_search=True plans one loss; got RematChoices of "
-                f"{len(losses)} policies, planned one after another."
-            )
+        background_search = checks.background_search(background_search, losses, "loss")
         self.optimizer = checks.check_optimizer(optimizer)
         self.normalizer = checks.check_normalizer(normalizer)
         self.schedule = BatchSchedule(target_batch_size)

@@ -140,8 +140,7 @@ class Updater:
                 if not is_oom(exc):
                     raise
                 finishing, progress.finishing = progress.finishing, False
-                chunked = not self.planner.searching and self.chunking.chunk(size, self.T) > 1
-                if chunked or finishing:
+                if self.chunking.chunk(size, self.T) > 1 or finishing:
                     self.chunking.unchunk(size)  # the extra of a chunk or the optimizer step's
                 elif self.planner.fixed is not None:
                     raise
@@ -179,7 +178,8 @@ class Updater:
         and keep a host copy of its result: a failure costs one program, not the update.
         """
         T = self.T
-        chunk, final = self._dispatch(state, size)
+        self.chunking.settle(state, size, T)  # the chunk, timed once on a CPU
+        chunk, final = self.chunking.chunk(size, T), self.chunking.final(size, T)
         programs: dict[int, Any] = {}  # per length: compiled and checked at its first use
         ran = (size, chunk, final is not None)
         cautious = cautious or not self.planner.program.has_run(ran)
@@ -224,17 +224,6 @@ class Updater:
         if p.done is None:  # a late (asynchronous) failure must surface as the program's
             agreed(lambda: self._save(p) if cautious else jax.block_until_ready(p.kept()), size)
         self.planner.program.ran(ran)
-
-    def _dispatch(self, state: TrainState, size: int) -> tuple[int, tuple[int, Any] | None]:
-        """Micro-steps of ``size`` per dispatch, and the last program if fused (`Chunking`).
-
-        While a search goes on in the background, one a dispatch and the optimizer step
-        apart: its sizes run with the programs it compiled, no other.
-        """
-        if self.planner.searching:
-            return 1, None
-        self.chunking.settle(state, size, self.T)  # the chunk, timed once on a CPU
-        return self.chunking.chunk(size, self.T), self.chunking.final(size, self.T)
 
     def _int(self, value: int) -> jax.Array:
         """``value`` as an int32 on the devices, made once: a host scalar is a transfer per call."""
