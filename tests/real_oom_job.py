@@ -48,8 +48,8 @@ def make_problem():
     params = {"w": jnp.ones(D) * 0.5, "b": jnp.zeros(D)}
     batches = [
         {
-            "x": rng.normal(size=(T, D)).astype(np.float32),
-            "y": rng.normal(size=(T, D)).astype(np.float32),
+            "x": rng.standard_normal((T, D), dtype=np.float32),  # twice as fast as
+            "y": rng.standard_normal((T, D), dtype=np.float32),  # float64 cast down
         }
         for _ in range(DISTINCT)
     ]
