@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.graph import is_graph_node
 
+from jax_adaptive import checks
 from jax_adaptive.adaptive_step import AdaptiveStep, signature_of
 from jax_adaptive.backup import backup, backup_bytes, put_back
 from jax_adaptive.data import leading_size
@@ -58,6 +59,10 @@ class _Donating(NamedTuple):
 
     args: Any
     donated: tuple[jax.Array, ...]
+
+
+# Its own batch_argnum, then AdaptiveStep's options, which it passes on.
+_OPTIONS = tuple(p for p in inspect.signature(AdaptiveStep).parameters if p != "build_step")
 
 
 class AdaptiveNnxStep:
@@ -123,6 +128,8 @@ class AdaptiveNnxStep:
         self._step_fns = {name: inspect.unwrap(fn) for name, fn in steps.items()}
         self.step_fn = next(iter(self._step_fns.values()))
         self.batch_argnum = batch_argnum
+        # Checked here, at decoration: AdaptiveStep is made at the first call.
+        checks.known_options("AdaptiveNnxStep", step_kwargs, _OPTIONS)
         self.step_kwargs = step_kwargs
         self._programs: dict[tuple[Any, int], _Programs] = {}  # by graph and batch size
         self._in_use: _Programs | None = None

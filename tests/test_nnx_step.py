@@ -251,6 +251,15 @@ def test_a_step_with_two_array_arguments_must_say_which_is_the_batch():
         step(model, {"x": np.ones((4, 2), np.float32)}, np.float32(0.1))
 
 
+def test_an_unknown_option_is_refused_at_decoration_not_at_the_first_call():
+    # micro_batch_value_and_grad takes a micro_batch_size; the step does not: a user who
+    # passes one to the step hears so where it is written, with the options it has.
+    with pytest.raises(TypeError, match=r"unknown option micro_batch_size; .* memory_limit, "):
+        ja.AdaptiveNnxStep(mnist.train_step.step_fn, micro_batch_size=8)
+    with pytest.raises(TypeError, match="unknown option memory_limt"):  # a typo
+        ja.AdaptiveNnxStep(mnist.train_step.step_fn, memory_limt=10**6, plan_cache=False)
+
+
 def test_call_time_rngs_give_each_micro_batch_its_own_dropout_keys():
     class Dropped(nnx.Module):  # Dropout taking rngs at call time, as the MNIST example's
         def __init__(self):
