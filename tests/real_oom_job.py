@@ -108,12 +108,17 @@ def main_step(margin_mb: int, updates: int, out: str) -> None:
     # Python's collector runs when allocation counts say, not when memory is short: off,
     # what a failed attempt held is freed when the library releases it, and only then.
     gc.disable()
-    resource.setrlimit(resource.RLIMIT_AS, (vmsize() + margin_mb * 2**20, resource.RLIM_INFINITY))
+    limit = vmsize() + margin_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    print(f"address-space limit {limit / 2**20:.0f} MiB", file=sys.stderr, flush=True)
     sizes = []
     for update in range(updates):
         state = step(state, batches[update % DISTINCT])
         sizes.append(step.micro_batch_size)
-        print(f"call {update} ran at {sizes[-1]}", file=sys.stderr, flush=True)
+        mib = vmsize() / 2**20  # the address space the limit counts, after the call
+        print(
+            f"call {update} ran at {sizes[-1]}; VmSize {mib:.0f} MiB", file=sys.stderr, flush=True
+        )
     np.savez(out, **{k: np.asarray(v) for k, v in state[0].items()})
     log = [[t.size, t.fits, t.decided_by, t.reason] for t in step.search_log]
     print("RESULT " + json.dumps({"planned": planned, "sizes": sizes, "log": log}), flush=True)
