@@ -11,6 +11,7 @@ import jax
 import optax
 
 from jax_adaptive import checks
+from jax_adaptive.background import INTERIM
 from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Agreement, Placement, place, process_sum, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
@@ -83,7 +84,8 @@ class AdaptiveTrainer:
         background_search: the first update waits only for one size known to fit (an
             eighth of the target, usually one compile): the search goes on on a thread
             while updates run that size, one micro-step a dispatch, and its plan runs
-            from the update after it ends (`finish_search` waits for it). Every plan
+            from the update after it ends (`finish_search` waits for it; `fit` does
+            at its end, so that the plan cache gets the plan). Every plan
             trains the same. One loss (not `jax_adaptive.RematChoices`); several
             processes search before the first update.
 
@@ -509,6 +511,13 @@ class AdaptiveTrainer:
         state, history = kept.state, kept.history
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
+        if self._planner.source == INTERIM:  # a fit shorter than the search in the background
+            self.finish_search()  # its plan, for the next update and the plan cache
+            log.info(
+                "the search beside training ended after the last update: %s; the next "
+                "update runs its plan %d x %d", self.plan_info.search, self.micro_batch_size,
+                self.accumulation_steps,
+            )  # fmt: skip
         return state, history
 
     # ----------------------------------------------------------------- internals

@@ -431,6 +431,39 @@ def test_the_trainer_s_plan_cache_and_schedule_and_timing_with_the_search_behind
     assert metrics["micro_batch_size"] == chosen and set(runs.sizes) == {chosen}
 
 
+def test_a_fit_shorter_than_the_search_waits_for_it_and_the_plan_cache_gets_its_plan(
+    trainer_in_line, tmp_path, caplog
+):
+    first, plan, gate = trainer_in_line["first_fit"], trainer_in_line["plan"], threading.Event()
+    cache = PlanCache(tmp_path / "plans.json")
+    trainer = _background_trainer(trainer_in_line, _gated_loss(first, gate), plan_cache=cache)
+    batches = _mlp_batches(2)
+    state = trainer.init(_mlp_params(), batches[0])
+    sizes = []
+
+    def on_update(update, metrics):
+        sizes.append(metrics["micro_batch_size"])
+        if len(sizes) == len(batches):  # the last update ran: only now may the search go on
+            gate.set()
+
+    with caplog.at_level("INFO", logger="jax_adaptive"):
+        state, history = trainer.fit(state, iter(batches), on_update=on_update)
+    assert sizes == [first, first] and len(history) == 2  # every update ran the interim size
+    after = trainer.plan_info  # fit waited: without it, the interim and no plan cached
+    assert (after.source, after.micro_batch_size, after.largest) == (
+        "searched", plan.micro_batch_size, 9
+    )  # fmt: skip
+    ended = [r.getMessage() for r in caplog.records if "ended after the last update" in r.message]
+    assert ended and f"runs its plan {plan.micro_batch_size} x " in ended[0], ended
+    assert_trees_close(
+        state.params, full_batch_reference(_mlp_loss, OPT, _mlp_params(), batches), 2e-5
+    )
+    again = _background_trainer(trainer_in_line, _mlp_loss, plan_cache=cache)
+    again.init(_mlp_params(), batches[0])
+    assert [trial.decided_by for trial in again.search_log] == ["plan cache"]
+    assert again.micro_batch_size == plan.micro_batch_size
+
+
 def test_a_new_target_waits_for_the_trainer_s_search(trainer_in_line):
     first, gate = trainer_in_line["first_fit"], threading.Event()
     trainer = _background_trainer(
