@@ -61,7 +61,7 @@ class _Donating(NamedTuple):
     donated: tuple[jax.Array, ...]
 
 
-# Its own batch_argnum, then AdaptiveStep's options, which it passes on.
+# What the step takes: AdaptiveStep's options, batch_argnum its own and the rest passed on.
 _OPTIONS = tuple(p for p in inspect.signature(AdaptiveStep).parameters if p != "build_step")
 
 
