@@ -35,7 +35,6 @@ __all__ = [
     "compile_workers",
     "fixed_size",
     "is_int",
-    "known_options",
     "non_negative_int",
     "on_device",
     "one_of",
@@ -135,24 +134,6 @@ def one_of(name: str, value: Any, choices: Sequence[str]) -> str:
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name}={value!r} must be one of {listed}.")
     return value
-
-
-def known_options(owner: str, given: Iterable[str], options: Iterable[str]) -> None:
-    """Refuses keyword options ``owner`` passes on but would only meet later (at a first call).
-
-    Examples:
-        >>> known_options("AdaptiveNnxStep", ["memory_limit"], ["memory_limit", "headroom"])
-        >>> known_options("AdaptiveNnxStep", ["micro_batch_size"], ["memory_limit", "headroom"])
-        Traceback (most recent call last):
-        TypeError: AdaptiveNnxStep got an unknown option micro_batch_size; its options are
-        headroom, memory_limit.
-    """
-    unknown = sorted(set(given) - set(options))
-    if unknown:
-        raise TypeError(
-            f"{owner} got an unknown option {', '.join(unknown)}; its options are "
-            f"{', '.join(sorted(options))}."
-        )
 
 
 def check_program(size: Any, chunk: Any, T: int) -> None:

@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 from flax.nnx.graph import is_graph_node
 
-from jax_adaptive import checks
 from jax_adaptive.adaptive_step import AdaptiveStep, signature_of
 from jax_adaptive.backup import backup, backup_bytes, put_back
 from jax_adaptive.data import leading_size
@@ -129,7 +128,11 @@ class AdaptiveNnxStep:
         self.step_fn = next(iter(self._step_fns.values()))
         self.batch_argnum = batch_argnum
         # Checked here, at decoration: AdaptiveStep is made at the first call.
-        checks.known_options("AdaptiveNnxStep", step_kwargs, _OPTIONS)
+        if unknown := sorted(set(step_kwargs) - set(_OPTIONS)):
+            raise TypeError(
+                f"AdaptiveNnxStep got an unknown option {', '.join(unknown)}; its options are "
+                f"{', '.join(sorted(_OPTIONS))}."
+            )
         self.step_kwargs = step_kwargs
         self._programs: dict[tuple[Any, int], _Programs] = {}  # by graph and batch size
         self._in_use: _Programs | None = None

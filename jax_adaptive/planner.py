@@ -248,10 +248,15 @@ class Planner:
             self.size, self.source = fit.size, INTERIM
             self.chunking.least()
 
-    def finish_search(self) -> None:
-        """Waits for a search in the background to end; its plan runs from the next update."""
-        if self._search is not None:
-            self._end_search()
+    def finish_search(self) -> bool:
+        """Waits for a search in the background to end; its plan runs from the next update.
+
+        Returns whether a search was going on.
+        """
+        if self._search is None:
+            return False
+        self._end_search()
+        return True
 
     def _end_search(self, state: TrainState | None = None) -> None:
         """Takes the ended search's plan; its error, if any, is raised (and nothing is planned).

@@ -11,7 +11,6 @@ import jax
 import optax
 
 from jax_adaptive import checks
-from jax_adaptive.background import INTERIM
 from jax_adaptive.data import Rebatcher, leading_size
 from jax_adaptive.distributed import Agreement, Placement, place, process_sum, while_all
 from jax_adaptive.evaluate import Evaluator, TrainerEvaluations
@@ -511,8 +510,7 @@ class AdaptiveTrainer:
         state, history = kept.state, kept.history
         if stream.leftover and (num_updates is None or len(history) < num_updates):
             log.info("the stream ended with %d examples short of a target batch", stream.leftover)
-        if self._planner.source == INTERIM:  # a fit shorter than the search in the background
-            self.finish_search()  # its plan, for the next update and the plan cache
+        if self._planner.finish_search():  # a fit shorter than the search: its plan, cached
             log.info(
                 "the search beside training ended after the last update: %s; the next "
                 "update runs its plan %d x %d", self.plan_info.search, self.micro_batch_size,
